@@ -1,0 +1,361 @@
+"""Topology-aware best-fit choice of exclusive CPUs: (topology, available, count, options) -> set.
+
+How a choice is made
+--------------------
+The machine is seen as a tree of nested groups.  By default the levels are
+
+    NUMA node  >  socket  >  last-level-cache (LLC) group  >  physical core  >  hardware thread
+
+(with ``align-by-socket`` the socket is the top level).  Each tree node is the *intersection* of
+the groups on its path, so the tree nests even on machines whose groups do not (an LLC that
+spans two sub-NUMA clusters, a NUMA node that spans two sockets).
+
+A request for ``n`` CPUs descends the tree.  At every group it asks: how few children can hold
+``n`` free CPUs?  If one child can, each child that fits is tried (recursively) and the best
+result is kept.  If several are needed, the smallest possible number of children is used: the
+roomiest ones are taken whole - whole NUMA nodes, whole LLC groups, whole cores - and the
+remainder is placed, recursively, in the child that fits it best.  Below an LLC group, whole
+free cores are taken first, then single threads, preferring threads that complete a core that
+is already partly used.
+
+Candidates are compared by a score, lowest wins, in this order:
+
+1. NUMA nodes spanned (sockets first with ``align-by-socket``),
+2. sockets spanned,
+3. LLC groups spanned,
+4. cores left partly used (touched by this request but with free threads remaining),
+5. best fit: free CPUs remaining in the NUMA nodes, then the LLC groups, we touched (a tight
+   fit keeps other nodes whole for later, larger requests),
+6. the lowest CPU ids, so the result is deterministic.
+
+This is never worse aligned than kubelet's static policy, whose order (whole sockets, whole
+cores, then threads on the fullest socket) is a special case of the same preferences.
+
+Options use kubelet's names and meanings:
+
+* ``full-pcpus-only``: only whole free cores; the count must be a multiple of the SMT width.
+* ``distribute-cpus-across-numa``: a request that needs more than one NUMA node is split
+  evenly over the fewest nodes that can hold equal shares (in whole-core units where possible).
+* ``align-by-socket``: minimise sockets before NUMA nodes.
+* ``distribute-cpus-across-cores``: one thread per core before a second thread of any core.
+* ``prefer-align-cpus-by-uncorecache``: accepted; LLC packing is always on here (rule 3).
+* ``strict-cpu-reservation``: a pool rule (reserved CPUs leave the shared pool); see policy.py.
+
+Incompatible combinations are refused as kubelet refuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from math import comb
+
+from .cpuset import CPUSet
+from .topology import Topology
+
+FULL_PCPUS_ONLY = "full-pcpus-only"
+DISTRIBUTE_ACROSS_NUMA = "distribute-cpus-across-numa"
+ALIGN_BY_SOCKET = "align-by-socket"
+DISTRIBUTE_ACROSS_CORES = "distribute-cpus-across-cores"
+PREFER_ALIGN_BY_UNCORECACHE = "prefer-align-cpus-by-uncorecache"
+STRICT_CPU_RESERVATION = "strict-cpu-reservation"
+
+KNOWN_OPTIONS = (
+    FULL_PCPUS_ONLY,
+    DISTRIBUTE_ACROSS_NUMA,
+    ALIGN_BY_SOCKET,
+    DISTRIBUTE_ACROSS_CORES,
+    PREFER_ALIGN_BY_UNCORECACHE,
+    STRICT_CPU_RESERVATION,
+)
+
+# Pairs kubelet refuses to combine (pkg/kubelet/cm/cpumanager/policy_options.go).
+_INCOMPATIBLE = (
+    (FULL_PCPUS_ONLY, DISTRIBUTE_ACROSS_CORES),
+    (DISTRIBUTE_ACROSS_NUMA, DISTRIBUTE_ACROSS_CORES),
+    (PREFER_ALIGN_BY_UNCORECACHE, DISTRIBUTE_ACROSS_CORES),
+    (PREFER_ALIGN_BY_UNCORECACHE, DISTRIBUTE_ACROSS_NUMA),
+)
+
+# Above this many combinations of children, fall back to "largest first" instead of trying all.
+_MAX_COMBINATIONS = 128
+
+
+class AllocationError(Exception):
+    """The request cannot be met; the message names what was asked and what is free."""
+
+
+class OptionError(ValueError):
+    """Unknown or incompatible policy options."""
+
+
+def validate_options(names: Iterable[str], topology: Topology | None = None) -> frozenset[str]:
+    """Check option names and combinations the way kubelet does; return them as a set."""
+    options = frozenset(names)
+    unknown = sorted(options - set(KNOWN_OPTIONS))
+    if unknown:
+        raise OptionError(
+            f"unknown policy option(s) {', '.join(unknown)}; known: {', '.join(KNOWN_OPTIONS)}"
+        )
+    for first, second in _INCOMPATIBLE:
+        if first in options and second in options:
+            raise OptionError(f"policy options {first} and {second} cannot be used together")
+    if (
+        topology is not None
+        and ALIGN_BY_SOCKET in options
+        and len(topology.sockets) > len(topology.numa_nodes)
+    ):
+        raise OptionError(
+            f"{ALIGN_BY_SOCKET} needs at least as many NUMA nodes as sockets; this machine has "
+            f"{len(topology.sockets)} sockets and {len(topology.numa_nodes)} NUMA nodes"
+        )
+    return options
+
+
+@dataclass(eq=False)
+class _Node:
+    """A group of CPUs in the allocation tree (see the module docstring)."""
+
+    cpus: frozenset[int]
+    children: list[_Node]
+    first: int  # lowest CPU id: deterministic tie-break
+    is_core: bool = False
+
+    @property
+    def children_are_cores(self) -> bool:
+        return bool(self.children) and self.children[0].is_core
+
+
+@dataclass(frozen=True, order=True)
+class _Score:
+    primary: int
+    secondary: int
+    llcs: int
+    partial_cores: int
+    numa_leftover: int
+    llc_leftover: int
+    ids: tuple[int, ...]
+
+
+class Allocator:
+    """Precomputes the allocation tree of one topology; ``allocate`` is then a pure function."""
+
+    def __init__(self, topology: Topology, options: Iterable[str] = ()) -> None:
+        self.topology = topology
+        self.options = validate_options(options, topology)
+        by_socket = ALIGN_BY_SOCKET in self.options
+        info = topology.by_id
+        self._numa = {c: info[c].numa for c in topology.online}
+        self._socket = {c: info[c].socket for c in topology.online}
+        self._llc = {c: info[c].l3 for c in topology.online}
+        self._core = {c: info[c].core for c in topology.online}
+        # Plain frozensets: the score runs thousands of times per second.
+        self._core_cpus = {k: frozenset(v) for k, v in topology.cores.items()}
+        self._numa_cpus = {k: frozenset(v) for k, v in topology.numa_nodes.items()}
+        self._llc_cpus = {k: frozenset(v) for k, v in topology.llc_groups.items()}
+        levels = ("socket", "numa") if by_socket else ("numa", "socket")
+        self._root = self._build(topology.online, (*levels, "l3", "core"))
+        self._smt = topology.smt_width
+
+    def _build(self, cpus: Iterable[int], levels: Sequence[str]) -> _Node:
+        cpus = frozenset(cpus)
+        if not levels:
+            return _Node(cpus, [], min(cpus), is_core=True)
+        attr = levels[0]
+        groups: dict[int, list[int]] = {}
+        for cpu in sorted(cpus):
+            groups.setdefault(getattr(self.topology.by_id[cpu], attr), []).append(cpu)
+        children = [self._build(members, levels[1:]) for members in groups.values()]
+        if attr == "core":
+            # Cores hang directly below their LLC part; a core node is a leaf of threads.
+            children = [_Node(c.cpus, [], c.first, is_core=True) for c in children]
+        return _Node(cpus, children, min(cpus))
+
+    # --- public ---------------------------------------------------------------------------
+
+    def allocate(self, available: Iterable[int], count: int) -> CPUSet:
+        """Choose ``count`` CPUs from ``available``; raise AllocationError if impossible."""
+        avail = frozenset(available)
+        offline = avail - self._root.cpus
+        if offline:
+            raise AllocationError(
+                f"CPUs {CPUSet(offline)} are not online CPUs of this topology "
+                f"(online: {self.topology.online})"
+            )
+        if count <= 0:
+            raise AllocationError(f"cannot allocate {count} CPUs: the count must be positive")
+        if FULL_PCPUS_ONLY in self.options:
+            avail = self._whole_free_cores(avail, count)
+        if count > len(avail):
+            raise AllocationError(
+                f"cannot allocate {count} CPUs: only {len(avail)} available ({CPUSet(avail)})"
+            )
+        return CPUSet(self._plan(self._root, count, avail, top=True))
+
+    def _whole_free_cores(self, avail: frozenset[int], count: int) -> frozenset[int]:
+        if count % self._smt:
+            raise AllocationError(
+                f"cannot allocate {count} CPUs with {FULL_PCPUS_ONLY}: the count must be a "
+                f"multiple of {self._smt} (threads per core)"
+            )
+        whole = frozenset().union(*(cpus for cpus in self.topology.cores.values() if cpus <= avail))
+        if count > len(whole):
+            raise AllocationError(
+                f"cannot allocate {count} CPUs with {FULL_PCPUS_ONLY}: only "
+                f"{len(whole) // self._smt} whole free cores ({CPUSet(whole) or 'none'}) in "
+                f"{CPUSet(avail)}"
+            )
+        return whole
+
+    # --- search ---------------------------------------------------------------------------
+
+    def _plan(self, node: _Node, n: int, avail: frozenset[int], top: bool = False) -> frozenset:
+        """Best ``n`` free CPUs inside ``node`` (the caller guarantees there are enough)."""
+        if node.is_core:
+            return frozenset(sorted(node.cpus & avail)[:n])
+        if node.children_are_cores:
+            return self._take_threads(node, n, avail)
+        children = [(child, len(child.cpus & avail)) for child in node.children]
+        children = [(child, free) for child, free in children if free]
+        if len(children) == 1:
+            return self._plan(children[0][0], n, avail)
+        if top and DISTRIBUTE_ACROSS_NUMA in self.options and not any(f >= n for _, f in children):
+            spread = self._distribute(children, n, avail)
+            if spread is not None:
+                return spread
+        need = _fewest_children(sorted((f for _, f in children), reverse=True), n)
+        candidates = []
+        if need == 1:
+            for child, free in children:
+                if free >= n:
+                    candidates.append(self._plan(child, n, avail))
+        else:
+            for combo in self._combinations(children, need):
+                if sum(free for _, free in combo) < n:
+                    continue
+                # Roomiest first: take those whole, place the remainder in the last one.
+                ordered = sorted(combo, key=lambda cf: (-cf[1], cf[0].first))
+                whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
+                rest = self._plan(ordered[-1][0], n - len(whole), avail)
+                candidates.append(whole | rest)
+        return min(candidates, key=lambda pick: self._score(pick, avail))
+
+    def _combinations(self, children: list, need: int) -> Iterable[tuple]:
+        if comb(len(children), need) <= _MAX_COMBINATIONS:
+            return combinations(children, need)
+        # Too many to try: the roomiest need-1 children plus each possible last child.
+        ordered = sorted(children, key=lambda cf: (-cf[1], cf[0].first))
+        head = tuple(ordered[: need - 1])
+        return ((*head, last) for last in ordered[need - 1 :])
+
+    def _take_threads(self, node: _Node, n: int, avail: frozenset[int]) -> frozenset:
+        """Pick threads inside one LLC part: whole cores first, then best-fitting threads."""
+        cores = [(core, sorted(core.cpus & avail)) for core in node.children]
+        cores = [(core, free) for core, free in cores if free]
+        if DISTRIBUTE_ACROSS_CORES in self.options:
+            # Idle cores first, one thread per core per round, so siblings stay idle longest.
+            cores.sort(key=lambda cf: (-len(cf[1]), cf[0].first))
+            picked: list[int] = []
+            for depth in range(self._smt):
+                for _, free in cores:
+                    if depth < len(free) and len(picked) < n:
+                        picked.append(free[depth])
+            return frozenset(picked)
+        picked = []
+        remaining = n
+        rest = []
+        for core, free in cores:
+            if len(free) == len(core.cpus) and remaining >= len(free):
+                picked.extend(free)
+                remaining -= len(free)
+            else:
+                rest.append((core, free))
+        if remaining == 0:
+            return frozenset(picked)
+        fitting = [(len(free), core.first, free) for core, free in rest if len(free) >= remaining]
+        if fitting:
+            picked.extend(min(fitting)[2][:remaining])
+            return frozenset(picked)
+        # No single core holds the remainder: touch as few cores as possible.
+        for _, free in sorted(rest, key=lambda cf: (-len(cf[1]), cf[0].first)):
+            take = free[:remaining]
+            picked.extend(take)
+            remaining -= len(take)
+            if remaining == 0:
+                break
+        return frozenset(picked)
+
+    def _distribute(self, children: list, n: int, avail: frozenset[int]) -> frozenset | None:
+        """Even split over the fewest top-level nodes (distribute-cpus-across-numa)."""
+        unit = self._smt if n % self._smt == 0 else 1
+        for k in range(2, len(children) + 1):
+            units, extra = divmod(n // unit, k)
+            shares = [(units + (1 if i < extra else 0)) * unit for i in range(k)]
+            best = None
+            for combo in self._combinations(children, k):
+                ordered = sorted(combo, key=lambda cf: (-cf[1], cf[0].first))
+                if any(free < share for (_, free), share in zip(ordered, shares, strict=True)):
+                    continue
+                pick = frozenset().union(
+                    *(self._plan(c, s, avail) for (c, _), s in zip(ordered, shares, strict=True))
+                )
+                key = self._score(pick, avail)
+                if best is None or key < best[0]:
+                    best = (key, pick)
+            if best is not None:
+                return best[1]
+        return None
+
+    def _score(self, pick: frozenset[int], avail: frozenset[int]) -> _Score:
+        numa = {self._numa[c] for c in pick}
+        sockets = {self._socket[c] for c in pick}
+        llcs = {self._llc[c] for c in pick}
+        cores = {self._core[c] for c in pick}
+        left = avail - pick
+        partial = sum(1 for core in cores if not self._core_cpus[core].isdisjoint(left))
+        numa_left = sum(len(self._numa_cpus[x] & left) for x in numa)
+        llc_left = sum(len(self._llc_cpus[x] & left) for x in llcs)
+        first, second = (
+            (len(sockets), len(numa))
+            if ALIGN_BY_SOCKET in self.options
+            else (len(numa), len(sockets))
+        )
+        if DISTRIBUTE_ACROSS_CORES in self.options:
+            partial = 0  # spreading over cores is the point; do not penalise it
+        return _Score(first, second, len(llcs), partial, numa_left, llc_left, tuple(sorted(pick)))
+
+
+def _fewest_children(free_desc: list[int], n: int) -> int:
+    total = 0
+    for index, free in enumerate(free_desc, start=1):
+        total += free
+        if total >= n:
+            return index
+    raise AssertionError("caller guarantees enough free CPUs")
+
+
+def allocate(
+    topology: Topology, available: Iterable[int], count: int, options: Iterable[str] = ()
+) -> CPUSet:
+    """One-shot convenience around Allocator (the daemon keeps an Allocator instead)."""
+    return Allocator(topology, options).allocate(available, count)
+
+
+def reserve_by_count(topology: Topology, count: int) -> CPUSet:
+    """``count`` CPUs from the lowest-numbered physical cores, whole cores first (as kubelet
+    reserves kube/system-reserved CPUs); isolated CPUs are left for the workloads."""
+    if count <= 0:
+        raise AllocationError(f"reserved CPU count must be at least 1, got {count}")
+    candidates = topology.online - topology.isolated
+    if count >= len(candidates):
+        raise AllocationError(
+            f"cannot reserve {count} CPUs: only {len(candidates)} non-isolated online CPUs "
+            f"({candidates}); at least one must stay for workloads"
+        )
+    chosen: list[int] = []
+    for core_cpus in sorted(topology.cores.values(), key=min):
+        chosen.extend(sorted(core_cpus & candidates)[: count - len(chosen)])
+        if len(chosen) == count:
+            break
+    return CPUSet(chosen)

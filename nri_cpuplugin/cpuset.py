@@ -1,0 +1,138 @@
+"""An immutable set of CPU ids and the Linux cpulist format ("0-3,8,10-11").
+
+The text form is what the kernel prints in sysfs and cgroupfs and what kubelet, CRI-O and runc
+exchange: ascending, maximal runs merged into ``a-b``, comma separated, no spaces; the empty set
+is the empty string.  Parsing is as strict as kubelet's ``cpuset.Parse`` (so that whatever we
+accept, kubelet and the runtimes accept too) except that surrounding whitespace, such as the
+trailing newline of a sysfs file, is tolerated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+# One element of a cpulist: "N" or "A-B", ASCII decimal digits only (no sign, no spaces).
+# re.ASCII: without it \d also matches other Unicode digits ("٣"), which int() would accept but
+# kubelet, runc and the kernel reject.
+_ELEMENT = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+
+# Far above any real NR_CPUS (8192 today); stops "0-999999999" from allocating gigabytes.
+MAX_CPU_ID = 1 << 16
+
+
+class CPUSet(frozenset[int]):
+    """A frozenset of non-negative CPU ids that prints itself in cpulist format."""
+
+    __slots__ = ()
+
+    def __new__(cls, cpus: Iterable[int] = ()) -> CPUSet:
+        self = super().__new__(cls, cpus)
+        for cpu in self:
+            if type(cpu) is not int or not 0 <= cpu <= MAX_CPU_ID:
+                raise ValueError(f"invalid CPU id {cpu!r}: expected an integer 0..{MAX_CPU_ID}")
+        return self
+
+    @classmethod
+    def _trusted(cls, cpus: frozenset[int]) -> CPUSet:
+        """Wrap the result of an operation on valid sets without checking it again."""
+        return frozenset.__new__(cls, cpus)
+
+    @classmethod
+    def parse(cls, text: str) -> CPUSet:
+        """Parse cpulist text; raise ValueError quoting the input when it is malformed."""
+        stripped = text.strip()
+        if not stripped:
+            return cls()
+        cpus: set[int] = set()
+        for element in stripped.split(","):
+            match = _ELEMENT.fullmatch(element)
+            if match is None:
+                raise ValueError(
+                    f"invalid cpulist {text!r}: element {element!r} is not N or A-B "
+                    "(expected e.g. '0-3,8')"
+                )
+            first = _cpu_id(match.group(1), text)
+            last = _cpu_id(match.group(2), text) if match.group(2) is not None else first
+            if first > last:
+                raise ValueError(f"invalid cpulist {text!r}: range {element!r} is reversed")
+            cpus.update(range(first, last + 1))
+        return cls(cpus)
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """Maximal runs of consecutive ids, ascending, as inclusive (first, last) pairs."""
+        run_start = run_end = None
+        for cpu in sorted(self):
+            if run_end is not None and cpu == run_end + 1:
+                run_end = cpu
+                continue
+            if run_start is not None:
+                yield run_start, run_end
+            run_start = run_end = cpu
+        if run_start is not None:
+            yield run_start, run_end
+
+    def __str__(self) -> str:
+        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges())
+
+    def __repr__(self) -> str:
+        return f"CPUSet({str(self)!r})"
+
+    def sorted(self) -> list[int]:
+        return sorted(self)
+
+    # frozenset's operators return plain frozensets; keep the type so results print as cpulists.
+    def __or__(self, other: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.__or__(self, _valid(other)))
+
+    def __and__(self, other: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.__and__(self, _plain(other)))
+
+    def __sub__(self, other: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.__sub__(self, _plain(other)))
+
+    def __xor__(self, other: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.__xor__(self, _valid(other)))
+
+    __ror__ = __or__
+    __rand__ = __and__
+
+    def union(self, *others: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.union(self, *map(_valid, others)))
+
+    def intersection(self, *others: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.intersection(self, *others))
+
+    def difference(self, *others: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.difference(self, *others))
+
+    def symmetric_difference(self, other: Iterable[int]) -> CPUSet:
+        return CPUSet._trusted(frozenset.symmetric_difference(self, _valid(other)))
+
+    __rxor__ = __xor__
+
+    def copy(self) -> CPUSet:
+        return self  # immutable, as frozenset.copy() returns self
+
+
+def _valid(cpus: Iterable[int]) -> frozenset[int]:
+    """What joins a CPUSet must be valid CPU ids too; other CPUSets already are."""
+    return cpus if isinstance(cpus, CPUSet) else CPUSet(cpus)
+
+
+def _plain(cpus: Iterable[int]) -> frozenset[int] | set[int]:
+    """Intersection and difference only remove ids, so any set-like operand will do."""
+    return cpus if isinstance(cpus, (set, frozenset)) else frozenset(cpus)
+
+
+def _cpu_id(digits: str, text: str) -> int:
+    """One id of a cpulist element, bounded before int() so that a 5000-digit number gets our
+    error quoting the input rather than int()'s "Exceeds the limit (4300 digits)"."""
+    significant = digits.lstrip("0") or "0"
+    if len(significant) > len(str(MAX_CPU_ID)) or int(significant) > MAX_CPU_ID:
+        shown = significant if len(significant) <= 20 else f"{significant[:20]}..."
+        raise ValueError(f"invalid cpulist {text!r}: CPU id {shown} exceeds {MAX_CPU_ID}")
+    return int(significant)
+
+
+EMPTY = CPUSet()

@@ -1,0 +1,75 @@
+"""What the policy needs to know about one container, whichever runtime path reported it.
+
+The NRI plugin builds a Workload from a ``Container`` + ``PodSandbox``; the OCI hook builds one
+from ``config.json``.  Both read Kubernetes intent the same way (DESIGN.md, "Reading Kubernetes
+intent"): QoS from the pod's cgroup parent, CPU request from ``cpu.shares``, limit from
+quota/period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+GUARANTEED = "guaranteed"
+BURSTABLE = "burstable"
+BESTEFFORT = "besteffort"
+QOS_CLASSES = (GUARANTEED, BURSTABLE, BESTEFFORT)
+
+# kubelet: shares = millicores * 1024 / 1000, never below 2 (pkg/kubelet/cm/helpers_linux.go).
+SHARES_PER_CPU = 1024
+MIN_SHARES = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    container_id: str
+    container_name: str
+    pod_uid: str
+    pod_name: str = ""
+    pod_namespace: str = ""
+    qos: str = BESTEFFORT
+    cpu_request_milli: int = 0
+    cpu_limit_milli: int | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    kind: str = "app"  # app | init | sidecar (a restartable init container)
+    cgroup_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.qos not in QOS_CLASSES:
+            raise ValueError(f"unknown QoS class {self.qos!r}; expected one of {QOS_CLASSES}")
+        object.__setattr__(self, "annotations", MappingProxyType(dict(self.annotations)))
+
+    @property
+    def integer_cpus(self) -> int | None:
+        """Whole CPUs requested, or None when the request is fractional or zero."""
+        if self.cpu_request_milli <= 0 or self.cpu_request_milli % 1000:
+            return None
+        return self.cpu_request_milli // 1000
+
+
+def qos_from_cgroup_parent(cgroup_path: str) -> str:
+    """kubelet nests Burstable and BestEffort pods under a cgroup named after the class;
+    Guaranteed pods sit directly below ``kubepods``."""
+    lowered = cgroup_path.lower()
+    if "besteffort" in lowered:
+        return BESTEFFORT
+    if "burstable" in lowered:
+        return BURSTABLE
+    return GUARANTEED
+
+
+def millicores_from_shares(shares: int) -> int:
+    """Invert kubelet's ``floor(milli * 1024 / 1000)``: the ceiling below is exact for every
+    request of 3 millicores or more.  The minimum (2 shares) stands for "no request"."""
+    if shares <= MIN_SHARES:
+        return 0
+    return (shares * 1000 + SHARES_PER_CPU - 1) // SHARES_PER_CPU
+
+
+def millicores_from_quota(quota: int | None, period: int | None) -> int | None:
+    """CPU limit in millicores from CFS quota/period; None when unlimited."""
+    if quota is None or quota <= 0 or not period:
+        return None
+    return quota * 1000 // period

@@ -1,0 +1,289 @@
+"""Allocator behaviour over named topologies (kubelet cpumanager style tables) plus properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from topologies import topology
+
+from nri_cpuplugin.allocator import (
+    ALIGN_BY_SOCKET,
+    DISTRIBUTE_ACROSS_CORES,
+    DISTRIBUTE_ACROSS_NUMA,
+    FULL_PCPUS_ONLY,
+    PREFER_ALIGN_BY_UNCORECACHE,
+    AllocationError,
+    Allocator,
+    OptionError,
+    allocate,
+    reserve_by_count,
+    validate_options,
+)
+from nri_cpuplugin.cpuset import CPUSet
+
+P = CPUSet.parse
+
+
+def all_but(name: str, taken: str) -> CPUSet:
+    return topology(name).online - P(taken)
+
+
+# Xeon E5-2680 v3 node: socket 0 = cores 0-11 (+24-35), socket 1 = cores 12-23 (+36-47).
+# SNC: NUMA 0 = 0-7,32-39  NUMA 1 = 8-15,40-47  NUMA 2 = 16-23,48-55  NUMA 3 = 24-31,56-63.
+# EPYC NPS4: NUMA n = cores 16n..16n+15; LLC groups of 8 cores: 0-7,64-71 / 8-15,72-79 / ...
+CASES = [
+    # (id, topology, available (None = all online), count, options, expected)
+    ("one cpu: lowest id", "xeon-e5-2680v3-2s", None, 1, (), "0"),
+    ("two cpus: a whole core", "xeon-e5-2680v3-2s", None, 2, (), "0,24"),
+    ("three cpus: a core and a thread", "xeon-e5-2680v3-2s", None, 3, (), "0-1,24"),
+    ("a socket's worth: the whole socket", "xeon-e5-2680v3-2s", None, 24, (), "0-11,24-35"),
+    ("socket plus a core", "xeon-e5-2680v3-2s", None, 26, (), "0-12,24-36"),
+    (
+        "complete a partly used core",
+        "xeon-e5-2680v3-2s",
+        all_but("xeon-e5-2680v3-2s", "0"),
+        1,
+        (),
+        "24",
+    ),
+    (
+        "best fit: the fuller socket",
+        "xeon-e5-2680v3-2s",
+        all_but("xeon-e5-2680v3-2s", "0-5,24-29"),
+        12,
+        (),
+        "6-11,30-35",
+    ),
+    ("whole machine", "xeon-e5-2680v3-2s", None, 48, (), "0-47"),
+    ("no smt: lowest ids", "single-socket-no-smt", None, 3, (), "0-2"),
+    ("snc: a socket's worth stays in one socket", "snc-2s-2numa", None, 32, (), "0-15,32-47"),
+    ("snc: one numa node when it fits", "snc-2s-2numa", None, 16, (), "0-7,32-39"),
+    (
+        "snc: two numa nodes of one socket beat two sockets",
+        "snc-2s-2numa",
+        all_but("snc-2s-2numa", "0-5,32-37,16-23,48-55"),
+        20,
+        (),
+        "6-15,38-47",
+    ),
+    ("epyc: one llc group for 16", "epyc-1s-4numa", None, 16, (), "0-7,64-71"),
+    (
+        "epyc: a whole llc group beats filling a used one",
+        "epyc-1s-4numa",
+        all_but("epyc-1s-4numa", "0-1,64-65"),
+        16,
+        (),
+        "8-15,72-79",
+    ),
+    (
+        "epyc: best fit inside the used llc group",
+        "epyc-1s-4numa",
+        all_but("epyc-1s-4numa", "0-3,64-67"),
+        8,
+        (),
+        "4-7,68-71",
+    ),
+    ("epyc: a numa node's worth is one numa node", "epyc-1s-4numa", None, 32, (), "0-15,64-79"),
+    (
+        "quad socket: fill the fullest socket",
+        "quad-socket",
+        all_but("quad-socket", "16-22,48-54"),
+        2,
+        (),
+        "23,55",
+    ),
+    (
+        "offline and isolated cpus are simply not available",
+        "offline-isolcpus",
+        topology("offline-isolcpus").online - topology("offline-isolcpus").isolated,
+        4,
+        (),
+        "0-1,8-9",
+    ),
+    ("adjacent siblings: whole core", "adjacent-siblings", None, 2, (), "0-1"),
+    (
+        "full-pcpus-only skips the half core",
+        "xeon-e5-2680v3-2s",
+        all_but("xeon-e5-2680v3-2s", "0"),
+        2,
+        (FULL_PCPUS_ONLY,),
+        "1,25",
+    ),
+    (
+        "distribute across numa: fits one node, packs",
+        "xeon-e5-2680v3-2s",
+        None,
+        4,
+        (DISTRIBUTE_ACROSS_NUMA,),
+        "0-1,24-25",
+    ),
+    (
+        "distribute across numa: even split in whole cores",
+        "xeon-e5-2680v3-2s",
+        None,
+        28,
+        (DISTRIBUTE_ACROSS_NUMA,),
+        "0-6,12-18,24-30,36-42",
+    ),
+    (
+        "distribute across cores: one thread per core",
+        "xeon-e5-2680v3-2s",
+        None,
+        4,
+        (DISTRIBUTE_ACROSS_CORES,),
+        "0-3",
+    ),
+    (
+        "uncore cache option is accepted; packing is the default",
+        "epyc-1s-4numa",
+        None,
+        16,
+        (PREFER_ALIGN_BY_UNCORECACHE,),
+        "0-7,64-71",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("topo", "available", "count", "options", "expected"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_allocation_table(topo, available, count, options, expected):
+    t = topology(topo)
+    chosen = allocate(t, t.online if available is None else available, count, options)
+    assert str(chosen) == expected
+
+
+def _bench_avail(free_per_numa: dict[int, int]) -> CPUSet:
+    """Available CPUs on the 8-NUMA bench machine with the given free count per NUMA node
+    (whole cores, lowest first)."""
+    t = topology("bench-2s-256t-8numa")
+    cpus: list[int] = []
+    for node, cpus_of_node in t.numa_nodes.items():
+        cores = sorted({t.by_id[c].core for c in cpus_of_node})
+        wanted = free_per_numa.get(node, 0)
+        for core in cores:
+            take = sorted(t.cores[core])[: wanted - sum(1 for c in cpus if c in cpus_of_node)]
+            cpus.extend(take)
+    return CPUSet(cpus)
+
+
+def test_align_by_socket_prefers_one_socket_over_fewer_numa_nodes():
+    t = topology("bench-2s-256t-8numa")
+    # Socket 0: four nodes with 18 free each (72).  Socket 1: 32 + 4 free.
+    avail = _bench_avail({0: 18, 1: 18, 2: 18, 3: 18, 4: 32, 5: 4})
+    numa_first = allocate(t, avail, 40)
+    by_socket = allocate(t, avail, 40, [ALIGN_BY_SOCKET])
+    assert {t.by_id[c].socket for c in numa_first} == {0, 1}
+    assert len({t.by_id[c].numa for c in numa_first}) == 2
+    assert {t.by_id[c].socket for c in by_socket} == {0}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ([FULL_PCPUS_ONLY, DISTRIBUTE_ACROSS_CORES], "cannot be used together"),
+        ([DISTRIBUTE_ACROSS_NUMA, DISTRIBUTE_ACROSS_CORES], "cannot be used together"),
+        ([PREFER_ALIGN_BY_UNCORECACHE, DISTRIBUTE_ACROSS_CORES], "cannot be used together"),
+        ([PREFER_ALIGN_BY_UNCORECACHE, DISTRIBUTE_ACROSS_NUMA], "cannot be used together"),
+        (["pin-harder"], "unknown policy option(s) pin-harder"),
+    ],
+)
+def test_incompatible_options_rejected(options, message):
+    with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_options(options)
+
+
+def test_align_by_socket_needs_numa_nodes_at_least_sockets():
+    # CONFIG_NUMA=n on a 2-socket machine: 2 sockets, 1 NUMA node.
+    with pytest.raises(OptionError, match="2 sockets and 1 NUMA nodes"):
+        Allocator(topology("no-numa-no-l3"), [ALIGN_BY_SOCKET])
+
+
+@pytest.mark.parametrize(
+    ("available", "count", "options", "message"),
+    [
+        ("0-3", 5, (), "cannot allocate 5 CPUs: only 4 available (0-3)"),
+        ("0-3", 0, (), "count must be positive"),
+        ("0-47", 3, (FULL_PCPUS_ONLY,), "must be a multiple of 2"),
+        ("0-3,24", 4, (FULL_PCPUS_ONLY,), "only 1 whole free cores (0,24)"),
+        ("0-3,99", 1, (), "CPUs 99 are not online"),
+    ],
+)
+def test_unsatisfiable_requests_explain_themselves(available, count, options, message):
+    with pytest.raises(AllocationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        allocate(topology("xeon-e5-2680v3-2s"), P(available), count, options)
+
+
+@pytest.mark.parametrize(
+    ("topo", "count", "expected"),
+    [
+        ("xeon-e5-2680v3-2s", 1, "0"),
+        ("xeon-e5-2680v3-2s", 2, "0,24"),
+        ("xeon-e5-2680v3-2s", 3, "0-1,24"),
+        ("adjacent-siblings", 2, "0-1"),
+        ("offline-isolcpus", 5, "0-1,4,8-9"),  # skips isolated 2-3/10-11 and offline 5
+    ],
+)
+def test_reserve_by_count_takes_lowest_physical_cores(topo, count, expected):
+    assert str(reserve_by_count(topology(topo), count)) == expected
+
+
+def test_reserve_by_count_refuses_zero_and_everything():
+    t = topology("single-socket-no-smt")
+    with pytest.raises(AllocationError, match="at least 1"):
+        reserve_by_count(t, 0)
+    with pytest.raises(AllocationError, match="at least one must stay"):
+        reserve_by_count(t, 8)
+
+
+# --- properties over every named topology ------------------------------------------------
+
+MACHINES = [
+    "xeon-e5-2680v3-2s",
+    "snc-2s-2numa",
+    "epyc-1s-4numa",
+    "quad-socket",
+    "offline-isolcpus",
+    "adjacent-siblings",
+    "no-numa-no-l3",
+    "multi-die-2s",
+]
+
+
+@st.composite
+def requests(draw):
+    name = draw(st.sampled_from(MACHINES))
+    t = topology(name)
+    online = sorted(t.online)
+    avail = CPUSet(draw(st.sets(st.sampled_from(online), min_size=1)))
+    count = draw(st.integers(min_value=1, max_value=len(avail)))
+    return t, avail, count
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_result_is_a_well_aligned_subset(request_):
+    t, avail, count = request_
+    chosen = allocate(t, avail, count)
+    assert len(chosen) == count and chosen <= avail
+    assert allocate(t, avail, count) == chosen  # deterministic
+    for groups, attr in ((t.numa_nodes, "numa"), (t.llc_groups, "l3"), (t.sockets, "socket")):
+        if any(len(g & avail) >= count for g in groups.values()):
+            assert len({getattr(t.by_id[c], attr) for c in chosen}) == 1, attr
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests())
+def test_full_pcpus_only_returns_whole_cores(request_):
+    t, avail, count = request_
+    count = count - count % t.smt_width or t.smt_width
+    try:
+        chosen = allocate(t, avail, count, [FULL_PCPUS_ONLY])
+    except AllocationError as err:
+        whole = [c for c in t.cores.values() if c <= avail]
+        assert sum(len(c) for c in whole) < count, str(err)
+        return
+    assert all(t.cores[t.by_id[c].core] <= chosen for c in chosen)

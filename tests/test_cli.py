@@ -1,0 +1,154 @@
+"""The command-line contracts of DESIGN.md, run as a user would run them (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from topologies import build
+
+from nri_cpuplugin.cpuset import CPUSet
+
+CLI = [sys.executable, "-m", "nri_cpuplugin.cli"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def epyc(tmp_path_factory):
+    return build("epyc-1s-4numa", tmp_path_factory.mktemp("sysfs"))
+
+
+def test_topology_json_schema(epyc):
+    root, _ = epyc
+    result = cli("topology", "--sysfs", str(root), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert list(doc) == ["cpus"]
+    assert len(doc["cpus"]) == 128
+    assert set(doc["cpus"][0]) == {
+        "id",
+        "socket",
+        "die",
+        "numa",
+        "l3",
+        "core",
+        "online",
+        "isolated",
+    }
+    # one core id per physical core, unique machine-wide
+    assert len({c["core"] for c in doc["cpus"]}) == 64
+    assert len({c["l3"] for c in doc["cpus"]}) == 8
+    assert len({c["numa"] for c in doc["cpus"]}) == 4
+
+
+def test_topology_json_is_accepted_back_by_allocate(epyc, tmp_path):
+    root, _ = epyc
+    dumped = tmp_path / "topo.json"
+    dumped.write_text(cli("topology", "--sysfs", str(root), "--json").stdout)
+    from_file = cli("allocate", "--topology", str(dumped), "--available", "0-127", "--count", "16")
+    from_sysfs = cli("allocate", "--sysfs", str(root), "--available", "0-127", "--count", "16")
+    assert from_file.returncode == from_sysfs.returncode == 0
+    assert from_file.stdout == from_sysfs.stdout == "0-7,64-71\n"
+
+
+def test_offline_cpus_round_trip_through_json(tmp_path):
+    root, _ = build("offline-isolcpus", tmp_path)
+    doc = json.loads(cli("topology", "--sysfs", str(root), "--json").stdout)
+    offline = [c for c in doc["cpus"] if not c["online"]]
+    assert [c["id"] for c in offline] == [5, 13] and offline[0]["core"] is None
+    assert [c["id"] for c in doc["cpus"] if c["isolated"]] == [2, 3, 10, 11]
+    dumped = tmp_path / "t.json"
+    dumped.write_text(json.dumps(doc))
+    result = cli(
+        "allocate",
+        "--topology",
+        str(dumped),
+        "--available",
+        "0-4,6-12,14-15",
+        "--reserved",
+        "0,8",
+        "--count",
+        "2",
+    )
+    assert result.returncode == 0 and result.stdout == "1,9\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "stderr"),
+    [
+        (["--available", "0-127", "--count", "200"], 1, "cannot allocate 200 CPUs: only 128"),
+        (
+            ["--available", "0-127", "--count", "3", "--option", "full-pcpus-only"],
+            1,
+            "multiple of 2",
+        ),
+        (["--available", "0-127", "--count", "1", "--option", "nope"], 2, "unknown policy option"),
+        (["--available", "0-200", "--count", "1"], 2, "not online"),
+        (["--available", "3-1", "--count", "1"], 2, "'3-1'"),
+        (
+            [
+                "--available",
+                "0-127",
+                "--count",
+                "1",
+                "--option",
+                "full-pcpus-only",
+                "--option",
+                "distribute-cpus-across-cores",
+            ],
+            2,
+            "cannot be used together",
+        ),
+    ],
+)
+def test_allocate_errors_are_one_line_with_exit_code(epyc, args, code, stderr):
+    root, _ = epyc
+    result = cli("allocate", "--sysfs", str(root), *args)
+    assert result.returncode == code
+    assert stderr in result.stderr
+    assert result.stdout == ""
+    if code == 1:
+        assert result.stderr.count("\n") == 1  # one-line reason
+
+
+def test_reserved_cpus_are_never_chosen(epyc):
+    root, _ = epyc
+    result = cli(
+        "allocate",
+        "--sysfs",
+        str(root),
+        "--available",
+        "0-127",
+        "--reserved",
+        "0,64",
+        "--count",
+        "2",
+    )
+    assert result.stdout == "1,65\n"
+
+
+def test_bad_topology_file_is_a_usage_error(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text('{"cpus": [{"id": "zero"}]}')
+    result = cli("allocate", "--topology", str(bad), "--available", "0", "--count", "1")
+    assert result.returncode == 2 and "cpus[0]" in result.stderr
+    missing = cli(
+        "allocate", "--topology", str(tmp_path / "nope.json"), "--available", "0", "--count", "1"
+    )
+    assert missing.returncode == 2 and "cannot read topology file" in missing.stderr
+    not_sysfs = cli("topology", "--sysfs", str(tmp_path))
+    assert not_sysfs.returncode == 2 and "sysfs root" in not_sysfs.stderr
+
+
+def test_real_machine_topology():
+    result = cli("topology", "--json")
+    assert result.returncode == 0
+    online = Path("/sys/devices/system/cpu/online").read_text().strip()
+    doc = json.loads(result.stdout)
+    assert str(CPUSet(c["id"] for c in doc["cpus"] if c["online"])) == online

@@ -1,0 +1,239 @@
+"""Static policy: pools, eligibility, annotations, restarts, init reuse, refusals."""
+
+from __future__ import annotations
+
+import pytest
+from topologies import topology
+
+from nri_cpuplugin.allocator import STRICT_CPU_RESERVATION
+from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.policy import (
+    EXCLUSIVE_ANNOTATION,
+    ISOLATED_ANNOTATION,
+    PolicyError,
+    StaticPolicy,
+)
+from nri_cpuplugin.workload import BESTEFFORT, BURSTABLE, GUARANTEED, Workload
+
+P = CPUSet.parse
+_ids = iter(range(10**6))
+
+
+def wl(milli=1000, qos=GUARANTEED, name=None, pod="pod-a", kind="app", **annotations) -> Workload:
+    n = next(_ids)
+    return Workload(
+        container_id=f"{n:064x}",
+        container_name=name or f"c{n}",
+        pod_uid=pod,
+        pod_name=pod,
+        pod_namespace="ns",
+        qos=qos,
+        cpu_request_milli=milli,
+        cpu_limit_milli=milli,
+        annotations=annotations,
+        kind=kind,
+    )
+
+
+def xeon(**kw) -> tuple[StaticPolicy, object]:
+    policy = StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2, **kw)
+    return policy, policy.empty_state()
+
+
+@pytest.mark.parametrize(
+    ("workload", "exclusive", "reason"),
+    [
+        (wl(2000), True, "guaranteed with 2 whole CPUs"),
+        (wl(1500), False, "1500m (not whole CPUs)"),
+        (wl(2000, qos=BURSTABLE), False, "burstable QoS shares"),
+        (wl(0, qos=BESTEFFORT), False, "besteffort QoS shares"),
+        (wl(2000, **{EXCLUSIVE_ANNOTATION: "false"}), False, "opted out"),
+        (
+            wl(2000, name="db", **{f"{EXCLUSIVE_ANNOTATION}/container.db": "false"}),
+            False,
+            "opted out",
+        ),
+        # the container-specific value wins over the pod-wide one
+        (
+            wl(
+                2000,
+                name="db",
+                **{EXCLUSIVE_ANNOTATION: "false", f"{EXCLUSIVE_ANNOTATION}/container.db": "true"},
+            ),
+            True,
+            "guaranteed",
+        ),
+        # an annotation cannot grant what QoS does not
+        (wl(2000, qos=BURSTABLE, **{EXCLUSIVE_ANNOTATION: "true"}), False, "burstable"),
+        (wl(2000, qos=BURSTABLE, **{ISOLATED_ANNOTATION: "true"}), False, "burstable"),
+    ],
+)
+def test_eligibility(workload, exclusive, reason):
+    policy, state = xeon()
+    decision, new_state = policy.admit(state, workload)
+    assert decision.exclusive is exclusive
+    assert reason in decision.reason
+    if not exclusive:
+        assert decision.cpus == policy.shared_pool(CPUSet()) and new_state == state
+        assert not decision.mems
+
+
+def test_exclusive_assignment_shrinks_shared_pool_and_sets_mems():
+    policy, state = xeon()
+    decision, state = policy.admit(state, wl(4000))
+    assert decision.cpus == P("1-2,25-26")  # 0,24 are reserved
+    assert decision.mems == P("0")
+    assert decision.shared_before == P("0-47")  # reserved CPUs stay shared without strict mode
+    assert decision.shared_after == P("0,3-24,27-47")
+    assert state.shared == decision.shared_after
+    shared, _ = policy.admit(state, wl(500))
+    assert shared.cpus == decision.shared_after
+
+
+def test_strict_reservation_keeps_reserved_out_of_shared_pool():
+    _, state = xeon(options=[STRICT_CPU_RESERVATION])
+    assert state.shared == P("1-23,25-47")
+
+
+def test_odd_annotation_value_is_a_clear_error():
+    policy, state = xeon()
+    with pytest.raises(PolicyError, match=f"{EXCLUSIVE_ANNOTATION}='maybe'.*'true' or 'false'"):
+        policy.admit(state, wl(1000, **{EXCLUSIVE_ANNOTATION: "maybe"}))
+
+
+def test_request_beyond_free_fails_naming_request_and_free():
+    policy, state = xeon()
+    _, state = policy.admit(state, wl(40000))
+    with pytest.raises(PolicyError) as err:
+        policy.admit(state, wl(8000, pod="big"))
+    message = str(err.value)
+    assert "asks for 8 exclusive CPUs" in message and "(6)" in message and "pod ns/big" in message
+
+
+def test_shared_pool_is_never_emptied():
+    t = topology("single-socket-no-smt")
+    policy = StaticPolicy(t, P("0"), [STRICT_CPU_RESERVATION])
+    with pytest.raises(PolicyError, match="leave the shared pool empty"):
+        policy.admit(policy.empty_state(), wl(7000))
+    decision, _ = policy.admit(policy.empty_state(), wl(6000))
+    assert decision.shared_after == P("7")
+
+
+def test_isolated_cpus_only_on_request_and_never_shared():
+    t = topology("offline-isolcpus")  # isolated 2-3,10-11; offline 5,13
+    policy = StaticPolicy.from_config(t, reserved_count=1)
+    state = policy.empty_state()
+    assert not state.shared & t.isolated
+    plain, state = policy.admit(state, wl(2000))
+    assert not plain.cpus & t.isolated
+    iso, state = policy.admit(state, wl(2000, **{ISOLATED_ANNOTATION: "true"}))
+    assert iso.cpus == P("2,10")
+    assert iso.shared_after == iso.shared_before  # isolated CPUs were never shared
+    with pytest.raises(PolicyError, match="isolated CPUs"):
+        policy.admit(state, wl(4000, **{ISOLATED_ANNOTATION: "true"}))
+
+
+def test_restarted_container_gets_previous_cpus_back():
+    policy, state = xeon()
+    first = wl(2000, name="app", pod="p1")
+    decision, state = policy.admit(state, wl(2000))  # take the lowest CPUs first
+    mine, state = policy.admit(state, first)
+    _, state = policy.release(state, first.container_id)
+    _, state = policy.release(state, decision.container_id)  # lower CPUs are now free again
+    restarted = wl(2000, name="app", pod="p1")
+    again, state = policy.admit(state, restarted)
+    assert again.cpus == mine.cpus and "previous CPUs" in again.reason
+
+
+def test_restart_gets_new_cpus_when_previous_are_taken():
+    policy, state = xeon()
+    first = wl(2000, name="app", pod="p1")
+    mine, state = policy.admit(state, first)
+    _, state = policy.release(state, first.container_id)
+    _, state = policy.admit(state, wl(2000, pod="thief"))  # takes the same, lowest CPUs
+    again, _ = policy.admit(state, wl(2000, name="app", pod="p1"))
+    assert again.cpus != mine.cpus and "topology" in again.reason
+
+
+def test_finished_init_container_cpus_go_to_app_containers_of_its_pod():
+    policy, state = xeon()
+    init = wl(4000, name="init", pod="p1", kind="init")
+    init_decision, state = policy.admit(state, init)
+    _, state = policy.admit(state, wl(2000, pod="other"))
+    _, state = policy.release(state, init.container_id)
+    app, state = policy.admit(state, wl(2000, name="app", pod="p1"))
+    assert app.cpus <= init_decision.cpus and "init" in app.reason
+    sidecar, _ = policy.admit(state, wl(2000, name="side", pod="p1", kind="sidecar"))
+    assert sidecar.cpus <= init_decision.cpus  # sidecars are app containers here
+
+
+def test_other_pods_do_not_reuse_init_cpus_first():
+    policy, state = xeon()
+    init = wl(2000, name="init", pod="p1", kind="init")
+    _, state = policy.admit(state, init)
+    _, state = policy.release(state, init.container_id)
+    other, _ = policy.admit(state, wl(2000, pod="p2"))
+    assert "topology" in other.reason
+
+
+def test_release_returns_grown_shared_pool_and_forget_pod_clears_memory():
+    policy, state = xeon()
+    w = wl(2000, pod="p1")
+    granted, state = policy.admit(state, w)
+    released, state = policy.release(state, w.container_id)
+    assert released.cpus == granted.cpus
+    assert released.shared_after == released.shared_before | granted.cpus
+    assert policy.release(state, w.container_id) == (None, state)
+    assert ("p1", w.container_name) in state.released
+    state = policy.forget_pod(state, "p1")
+    assert not state.released and not state.assignments
+
+
+def test_repeated_create_event_is_idempotent():
+    policy, state = xeon()
+    w = wl(2000)
+    first, state = policy.admit(state, w)
+    second, state2 = policy.admit(state, w)
+    assert second.cpus == first.cpus and state2 == state
+
+
+def test_reserved_must_be_online_and_nonempty():
+    t = topology("xeon-e5-2680v3-2s")
+    with pytest.raises(PolicyError, match="not online"):
+        StaticPolicy(t, P("99"))
+    with pytest.raises(PolicyError, match="no reserved CPUs"):
+        StaticPolicy(t, CPUSet())
+    with pytest.raises(PolicyError, match="reserved_cpu_count"):
+        StaticPolicy.from_config(t)
+
+
+def test_check_rejects_state_that_no_longer_fits_the_machine():
+    policy, state = xeon()
+    _, state = policy.admit(state, wl(2000))
+    assert policy.check(state) is None
+    other = StaticPolicy(topology("xeon-e5-2680v3-2s"), P("0-1,24-25"))
+    assert "no longer assignable" in other.check(state)
+
+
+def test_no_cpu_is_ever_assigned_twice_under_churn():
+    import random
+
+    rng = random.Random(3)
+    policy, state = xeon()
+    live = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            _, state = policy.release(state, live.pop(rng.randrange(len(live))))
+        else:
+            w = wl(rng.choice([1000, 2000, 3000, 4000, 1500]), pod=f"p{rng.randrange(20)}")
+            try:
+                decision, state = policy.admit(state, w)
+            except PolicyError:
+                continue
+            if decision.exclusive:
+                live.append(w.container_id)
+        seen: set[int] = set()
+        for a in state.assignments.values():
+            assert not a.cpus & seen and not a.cpus & policy.reserved
+            seen |= a.cpus
+        assert state.shared == policy.shared_pool(CPUSet(seen)) and state.shared
