@@ -7,6 +7,7 @@ Errors are one line on stderr that says what was wrong and what to do.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,9 @@ from pathlib import Path
 import orjson
 
 from .allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
+from .config import DEFAULT_STATE_DIR, LOG_LEVELS, ConfigError, Settings, load_file, merge
 from .cpuset import CPUSet
+from .policy import PolicyError
 from .topology import DEFAULT_SYSFS, Topology, TopologyError, discover
 
 EXIT_UNSATISFIABLE = 1
@@ -87,6 +90,66 @@ def cmd_allocate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict]:
+    """(defaults + config file, flag overrides): flags win over the file and the runtime."""
+    base = merge(Settings(), load_file(args.config)) if args.config else Settings()
+    flags = {}
+    for flag, field in (
+        ("socket", "nri_socket"),
+        ("state_dir", "state_dir"),
+        ("reserved_cpus", "reserved_cpus"),
+        ("sysfs", "sysfs"),
+        ("log_level", "log_level"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            flags[field] = value
+    if "reserved_cpus" in flags:
+        flags["reserved_cpu_count"] = None
+    return base, flags
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # Imported here: the NRI stack (protobuf) is not needed by the other commands.
+    import asyncio
+    import signal
+
+    from .audit import Audit
+    from .nri.stub import Stub
+    from .plugin import CPUPlugin
+
+    base, flags = _settings_from_args(args)
+    settings = merge(base, flags)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    plugin = CPUPlugin(base, Audit(), flags)
+    stub = Stub.from_environment(plugin, settings.nri_name, settings.nri_index, settings.nri_socket)
+    plugin.stub = stub
+    if stub.launched_fd is None:
+        plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stub.stop)
+        await stub.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import render_text, snapshot
+
+    report = snapshot(args.state_dir, args.sysfs)
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(render_text(report))
+    return 0 if report["state"] == "ok" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nri-cpuplugin",
@@ -114,6 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--reserved", type=_cpulist, default=CPUSet(), metavar="LIST", help="never handed out"
     )
     alloc.set_defaults(func=cmd_allocate)
+
+    run = commands.add_parser("run", help="the NRI plugin daemon")
+    run.add_argument("--socket", metavar="PATH", help="runtime NRI socket (/var/run/nri/nri.sock)")
+    run.add_argument("--config", metavar="FILE", help="TOML configuration")
+    run.add_argument("--state-dir", metavar="DIR", help=f"state directory ({DEFAULT_STATE_DIR})")
+    run.add_argument("--reserved-cpus", type=_cpulist, metavar="LIST", help="reserved CPUs")
+    run.add_argument("--sysfs", metavar="ROOT", help="sysfs root for topology (/sys)")
+    run.add_argument("--log-level", choices=LOG_LEVELS)
+    run.set_defaults(func=cmd_run)
+
+    status = commands.add_parser("status", help="pools and assignments from the state file")
+    status.add_argument("--state-dir", default=DEFAULT_STATE_DIR, metavar="DIR")
+    status.add_argument("--sysfs", default=DEFAULT_SYSFS, metavar="ROOT")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
     return parser
 
 
@@ -121,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, TopologyError) as err:
+    except (UsageError, TopologyError, ConfigError, PolicyError) as err:
         print(f"nri-cpuplugin: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -139,25 +139,34 @@ class StaticPolicy:
 
     def admit(self, state: NodeState, workload: Workload) -> tuple[Decision, NodeState]:
         """Decide a new container's cpuset; raise PolicyError when its request cannot be met."""
-        shared = self.shared_pool(state.exclusive)
+        before = self.shared_pool(state.exclusive)
         held = state.assignments.get(workload.container_id)
         if held is not None:  # a repeated event: answer as before
-            return self._exclusive(
-                workload.container_id, held.cpus, shared, shared, "already assigned"
-            ), state
+            decision = self._exclusive(
+                workload.container_id, held.cpus, before, before, "already assigned"
+            )
+            return decision, state
+        state = self._supersede(state, workload)
+        shared = self.shared_pool(state.exclusive)
         count, why, isolated = self.eligibility(workload)
         if count is None:
-            return Decision(
-                workload.container_id, False, shared, CPUSet(), shared, shared, why
-            ), state
+            state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
+            decision = Decision(workload.container_id, False, shared, CPUSet(), before, shared, why)
+            return decision, state
         cpus, how = self._choose(state, workload, count, isolated)
-        after = self.shared_pool(state.exclusive | cpus)
-        if not after:
+        if not self.shared_pool(state.exclusive | cpus):
             raise PolicyError(
                 f"{_describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
                 f"leave the shared pool empty (shared now: {shared}); lower the request or "
                 "reserve fewer CPUs"
             )
+        new_state = self._assign(state, workload, cpus)
+        decision = self._exclusive(
+            workload.container_id, cpus, before, new_state.shared, f"{why}; {how}"
+        )
+        return decision, new_state
+
+    def _assign(self, state: NodeState, workload: Workload, cpus: CPUSet) -> NodeState:
         assignment = Assignment(
             container_id=workload.container_id,
             cpus=cpus,
@@ -167,13 +176,31 @@ class StaticPolicy:
             pod_namespace=workload.pod_namespace,
             kind=workload.kind,
         )
+        sharing = {k: v for k, v in state.sharing.items() if k != workload.container_id}
         new_state = state.evolve(
-            assignments={**state.assignments, workload.container_id: assignment},
-            shared=after,
+            assignments={**state.assignments, workload.container_id: assignment}, sharing=sharing
         )
-        return self._exclusive(
-            workload.container_id, cpus, shared, after, f"{why}; {how}"
-        ), new_state
+        return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
+
+    def _supersede(self, state: NodeState, workload: Workload) -> NodeState:
+        """Kubernetes runs one container per (pod, name) at a time.  An assignment still held
+        under that key by another id belongs to a creation that failed after we answered, or
+        to a container whose stop we missed: it is dead, so release it (its CPUs then serve
+        the new container first, as a restart)."""
+        if not workload.pod_uid:
+            return state
+        for cid, held in state.assignments.items():
+            if (held.pod_uid, held.container_name) == (workload.pod_uid, workload.container_name):
+                return self.release(state, cid)[1]
+        return state
+
+    def adopt(self, state: NodeState, workload: Workload, cpus: CPUSet) -> NodeState | None:
+        """Record CPUs an eligible container already runs on (found live after a restart), if
+        they are exactly its request and still free; None if it must be placed anew."""
+        count, _, isolated = self.eligibility(workload)
+        if count is None or len(cpus) != count or not cpus <= self.free_exclusive(state, isolated):
+            return None
+        return self._assign(state, workload, cpus)
 
     def eligibility(self, workload: Workload) -> tuple[int | None, str, bool]:
         """(exclusive CPU count or None, why, from isolated CPUs?)."""
@@ -224,6 +251,9 @@ class StaticPolicy:
         restart.  Returns None for containers that held no exclusive CPUs."""
         held = state.assignments.get(container_id)
         if held is None:
+            if container_id in state.sharing:
+                sharing = {k: v for k, v in state.sharing.items() if k != container_id}
+                state = state.evolve(sharing=sharing)
             return None, state
         before = self.shared_pool(state.exclusive)
         assignments = {k: v for k, v in state.assignments.items() if k != container_id}
@@ -240,7 +270,8 @@ class StaticPolicy:
         """The pod is gone: drop its assignments and what its containers are remembered by."""
         assignments = {k: v for k, v in state.assignments.items() if v.pod_uid != pod_uid}
         released = {k: v for k, v in state.released.items() if k[0] != pod_uid}
-        new_state = state.evolve(assignments=assignments, released=released)
+        sharing = {k: v for k, v in state.sharing.items() if v != pod_uid}
+        new_state = state.evolve(assignments=assignments, released=released, sharing=sharing)
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 
     def _exclusive(

@@ -64,10 +64,14 @@ class NodeState:
     shared: CPUSet
     assignments: Mapping[str, Assignment] = field(default_factory=dict)
     released: Mapping[tuple[str, str], Released] = field(default_factory=dict)
+    # Live containers running in the shared pool (id -> pod uid): the ones whose cpuset must
+    # follow the pool.  Kept here so a restart without a runtime resync still knows them.
+    sharing: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignments", _frozen(self.assignments))
         object.__setattr__(self, "released", _frozen(self.released))
+        object.__setattr__(self, "sharing", _frozen(self.sharing))
 
     @cached_property
     def exclusive(self) -> CPUSet:
@@ -104,6 +108,7 @@ def to_document(state: NodeState) -> dict[str, Any]:
             {"pod_uid": uid, "container_name": name, "cpus": str(r.cpus), "kind": r.kind}
             for (uid, name), r in sorted(state.released.items())
         ],
+        "sharing": dict(sorted(state.sharing.items())),
     }
     body["checksum"] = checksum(body)
     return body
@@ -143,6 +148,7 @@ def decode(data: bytes) -> NodeState:
                 cid: _assignment(cid, entry) for cid, entry in _dict(doc, "assignments").items()
             },
             released=dict(_released(entry) for entry in _list(doc, "released")),
+            sharing=_sharing(_dict(doc, "sharing")),
         )
     except (ValueError, TypeError, KeyError) as err:
         raise StateFormatError(f"malformed field: {err}") from None
@@ -199,6 +205,13 @@ def _released(entry: Any) -> tuple[tuple[str, str], Released]:
     return key, Released(CPUSet.parse(_str(entry, "cpus")), _kind(entry))
 
 
+def _sharing(entries: dict) -> dict[str, str]:
+    for cid, pod_uid in entries.items():
+        if not isinstance(pod_uid, str):
+            raise TypeError(f"sharing[{cid!r}] must be a pod uid string")
+    return entries
+
+
 def _check_consistent(state: NodeState) -> None:
     seen: dict[int, str] = {}
     for cid, assignment in state.assignments.items():
@@ -208,6 +221,9 @@ def _check_consistent(state: NodeState) -> None:
             if cpu in seen:
                 raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
             seen[cpu] = cid
+    both = set(state.sharing) & set(state.assignments)
+    if both:
+        raise StateFormatError(f"containers {sorted(both)} are both shared and exclusive")
     overlap = state.shared & CPUSet(seen)
     if overlap:
         raise StateFormatError(f"CPUs {overlap} are both shared and exclusively assigned")

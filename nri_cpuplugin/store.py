@@ -379,6 +379,16 @@ class StateStore:
         finally:
             os.close(fd)
 
+    def set_aside(self) -> Path | None:
+        """Move a readable but unusable state file aside (kept); the caller holds the lock.
+
+        For documents that decode fine but that the running policy cannot honour."""
+        if not self.holds_lock():
+            raise RuntimeError("StateStore.set_aside() needs the state lock")
+        if not os.path.lexists(self.state_path):
+            return None
+        return self._quarantine()
+
     def _quarantine(self) -> Path:
         """Rename the state file aside (never over an earlier one) and prune old ones."""
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")

@@ -126,7 +126,10 @@ class Topology:
 
     def fingerprint(self) -> str:
         """Identifies the CPU layout: a state file from a different layout must not be trusted."""
-        return f"online={self.online};smt={self.smt_width};numa={len(self.numa_nodes)}"
+        return (
+            f"online={self.online};isolated={self.isolated};smt={self.smt_width};"
+            f"numa={len(self.numa_nodes)}"
+        )
 
     # --- serialisation ----------------------------------------------------------------------
     def as_dict(self) -> dict[str, Any]:

@@ -73,3 +73,34 @@ def millicores_from_quota(quota: int | None, period: int | None) -> int | None:
     if quota is None or quota <= 0 or not period:
         return None
     return quota * 1000 // period
+
+
+def _optional(message: object, field: str) -> int | None:
+    """Value of an NRI Optional* wrapper field: None when the wrapper is absent."""
+    return getattr(message, field).value if message.HasField(field) else None  # type: ignore[attr-defined]
+
+
+def from_nri(pod: object, container: object) -> Workload:
+    """Workload from NRI ``PodSandbox`` and ``Container`` messages.
+
+    Duck-typed on the protobuf objects so this module does not import protobuf: the OCI hook
+    imports it too and must start fast.
+    """
+    cpu = container.linux.resources.cpu  # type: ignore[attr-defined]
+    shares = _optional(cpu, "shares")
+    annotations = {**pod.annotations, **container.annotations}  # type: ignore[attr-defined]
+    labels = container.labels  # type: ignore[attr-defined]
+    cgroup_parent = pod.linux.cgroup_parent  # type: ignore[attr-defined]
+    return Workload(
+        container_id=container.id,  # type: ignore[attr-defined]
+        container_name=container.name or labels.get("io.kubernetes.container.name", ""),  # type: ignore[attr-defined]
+        pod_uid=pod.uid or labels.get("io.kubernetes.pod.uid", ""),  # type: ignore[attr-defined]
+        pod_name=pod.name,  # type: ignore[attr-defined]
+        pod_namespace=pod.namespace,  # type: ignore[attr-defined]
+        # Without a pod cgroup this is not a kubelet-managed pod: never exclusive.
+        qos=qos_from_cgroup_parent(cgroup_parent) if cgroup_parent else BESTEFFORT,
+        cpu_request_milli=millicores_from_shares(shares) if shares else 0,
+        cpu_limit_milli=millicores_from_quota(_optional(cpu, "quota"), _optional(cpu, "period")),
+        annotations=annotations,
+        cgroup_path=container.linux.cgroups_path,  # type: ignore[attr-defined]
+    )

@@ -74,8 +74,10 @@ def test_eligibility(workload, exclusive, reason):
     assert decision.exclusive is exclusive
     assert reason in decision.reason
     if not exclusive:
-        assert decision.cpus == policy.shared_pool(CPUSet()) and new_state == state
-        assert not decision.mems
+        assert decision.cpus == policy.shared_pool(CPUSet())
+        assert not decision.mems and not decision.shared_changed
+        assert new_state.sharing == {workload.container_id: workload.pod_uid}
+        assert new_state.assignments == state.assignments
 
 
 def test_exclusive_assignment_shrinks_shared_pool_and_sets_mems():
@@ -237,3 +239,34 @@ def test_no_cpu_is_ever_assigned_twice_under_churn():
             assert not a.cpus & seen and not a.cpus & policy.reserved
             seen |= a.cpus
         assert state.shared == policy.shared_pool(CPUSet(seen)) and state.shared
+
+
+def test_a_new_container_supersedes_a_dead_one_of_the_same_pod_and_name():
+    policy, state = xeon()
+    failed = wl(2000, name="app", pod="p1")
+    first, state = policy.admit(state, failed)  # creation then failed in the runtime
+    retry = wl(2000, name="app", pod="p1")
+    second, state = policy.admit(state, retry)
+    assert second.cpus == first.cpus  # the dead one's CPUs, as for a restart
+    assert list(state.assignments) == [retry.container_id]
+    assert second.shared_before == first.shared_after
+
+
+def test_adopt_keeps_cpus_a_container_already_runs_on_only_if_free_and_exact():
+    policy, state = xeon()
+    w = wl(2000, pod="p1")
+    adopted = policy.adopt(state, w, P("5,29"))
+    assert adopted.assignments[w.container_id].cpus == P("5,29")
+    assert policy.adopt(state, wl(2000), P("5")) is None  # wrong size
+    assert policy.adopt(adopted, wl(2000), P("5,29")) is None  # taken
+    assert policy.adopt(state, wl(2000), P("0,24")) is None  # reserved
+    assert policy.adopt(state, wl(500), P("5")) is None  # not eligible
+
+
+def test_release_and_forget_pod_track_shared_containers():
+    policy, state = xeon()
+    shared_one = wl(500, qos=BURSTABLE, pod="p1")
+    _, state = policy.admit(state, shared_one)
+    assert state.sharing == {shared_one.container_id: "p1"}
+    assert policy.release(state, shared_one.container_id)[1].sharing == {}
+    assert policy.forget_pod(state, "p1").sharing == {}

@@ -1,0 +1,171 @@
+"""Settings: defaults, then the TOML file, then the runtime's Configure string, then flags.
+
+The same keys are accepted in the file (``--config``) and in the config string the runtime
+sends a runtime-launched plugin (from ``/etc/nri/conf.d/NN-name.conf``).  Anything unknown or
+malformed is refused with a message naming the key, where it came from, and the expected form:
+a typo must not silently run the node with defaults.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .allocator import OptionError, validate_options
+from .cpuset import CPUSet
+
+DEFAULT_STATE_DIR = "/var/lib/nri-cpuplugin"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+CFS_QUOTA_MODES = ("unlimited", "keep")
+_PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key and the expected form."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    reserved_cpus: CPUSet | None = None
+    reserved_cpu_count: int | None = None
+    state_dir: str = DEFAULT_STATE_DIR
+    policy_options: tuple[str, ...] = ()
+    cfs_quota: str = "unlimited"
+    sysfs: str = "/sys"
+    log_level: str = "info"
+    nri_socket: str = "/var/run/nri/nri.sock"
+    nri_name: str = "cpuplugin"
+    nri_index: str = "50"
+    metrics_listen: str | None = None
+
+    @property
+    def effective_reserved_count(self) -> int | None:
+        """kubelet's static policy needs a reservation; one CPU unless told otherwise."""
+        if self.reserved_cpus is None and self.reserved_cpu_count is None:
+            return 1
+        return self.reserved_cpu_count
+
+
+# TOML layout: top-level keys, plus [nri] and [metrics] tables.
+_TOP = {
+    "reserved_cpus": "reserved_cpus",
+    "reserved_cpu_count": "reserved_cpu_count",
+    "state_dir": "state_dir",
+    "policy_options": "policy_options",
+    "cfs_quota": "cfs_quota",
+    "sysfs": "sysfs",
+    "log_level": "log_level",
+}
+_TABLES = {
+    "nri": {"socket": "nri_socket", "name": "nri_name", "index": "nri_index"},
+    "metrics": {"listen": "metrics_listen"},
+}
+KNOWN_KEYS = sorted([*_TOP, *(f"{table}.{key}" for table, keys in _TABLES.items() for key in keys)])
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """Validated overrides (Settings field -> value) from TOML text."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: not valid TOML: {err}") from None
+    overrides: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in _TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            for sub, sub_value in value.items():
+                field = _TABLES[key].get(sub)
+                if field is None:
+                    raise _unknown(source, f"{key}.{sub}")
+                overrides[field] = _check(field, sub_value, f"{source}: {key}.{sub}")
+        elif key in _TOP:
+            overrides[_TOP[key]] = _check(_TOP[key], value, f"{source}: {key}")
+        else:
+            raise _unknown(source, key)
+    return overrides
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    return parse_toml(text, str(path))
+
+
+def merge(base: Settings, *layers: Mapping[str, Any]) -> Settings:
+    """Apply override layers in order; the result is checked as a whole."""
+    settings = base
+    for layer in layers:
+        settings = replace(settings, **layer)
+    if settings.reserved_cpus is not None and settings.reserved_cpu_count is not None:
+        raise ConfigError(
+            "reserved_cpus and reserved_cpu_count are both set; keep one "
+            f"(reserved_cpus={settings.reserved_cpus}, reserved_cpu_count="
+            f"{settings.reserved_cpu_count})"
+        )
+    return settings
+
+
+def _unknown(source: str, key: str) -> ConfigError:
+    return ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(KNOWN_KEYS)}")
+
+
+def _check(field: str, value: Any, where: str) -> Any:
+    if field == "reserved_cpus":
+        if isinstance(value, str):
+            try:
+                cpus = CPUSet.parse(value)
+            except ValueError as err:
+                raise ConfigError(f"{where}: {err}") from None
+        elif isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
+            cpus = CPUSet(value)
+        else:
+            raise ConfigError(
+                f'{where} = {value!r}: expected a cpulist string like "0-1" or a '
+                "list of CPU ids like [0, 1]"
+            )
+        if not cpus:
+            raise ConfigError(f"{where} is empty: reserve at least one CPU")
+        return cpus
+    if field == "reserved_cpu_count":
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{where} = {value!r}: expected a whole number of CPUs, at least 1")
+        return value
+    if field == "policy_options":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} = {value!r}: expected a list of option names")
+        try:
+            validate_options(value)
+        except OptionError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        return tuple(value)
+    if field == "cfs_quota":
+        return _choice(value, CFS_QUOTA_MODES, where)
+    if field == "log_level":
+        return _choice(value, LOG_LEVELS, where)
+    if field == "nri_index":
+        if not (isinstance(value, str) and len(value) == 2 and value.isdigit()):
+            raise ConfigError(f'{where} = {value!r}: expected two digits as a string, like "50"')
+        return value
+    if field == "nri_name":
+        if not (isinstance(value, str) and _PLUGIN_NAME.fullmatch(value)):
+            raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
+        return value
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
+    if value not in choices:
+        raise ConfigError(f"{where} = {value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+SETTING_NAMES = tuple(f.name for f in fields(Settings))

@@ -1,0 +1,1 @@
+"""NRI transport: the connection multiplexer, ttrpc framing and generated protobuf messages."""

@@ -1,0 +1,470 @@
+"""The asyncio side of an NRI plugin: socket, registration, dispatch to handler methods.
+
+A plugin is any object with some of these methods (sync or ``async``); the stub subscribes to
+exactly the events it has handlers for, in the manner of containerd/nri's Go ``pkg/stub``:
+
+    configure(config, runtime_name, runtime_version)           -> None
+    synchronize(pods, containers)                              -> [ContainerUpdate]
+    shutdown()                                                 -> None
+    create_container(pod, container)                           -> (ContainerAdjustment | None,
+                                                                   [ContainerUpdate])
+    update_container(pod, container, linux_resources)          -> [ContainerUpdate]
+    stop_container(pod, container)                             -> [ContainerUpdate]
+    run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox(pod)                -> None
+    post_create_container / start_container / post_start_container /
+    post_update_container / remove_container(pod, container)                    -> None
+    connection_lost()                                          -> None  (not an NRI event)
+
+Arguments are the generated protobuf messages (``nri_cpuplugin.nri.pb.nri_pb2``).  A handler
+that raises makes the stub answer with an error status, which fails the runtime operation
+(fail closed) while the plugin stays connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from . import connection as wire
+from .errors import ProtocolError
+from .pb import nri_pb2 as pb
+
+log = logging.getLogger("nri_cpuplugin.nri")
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for external plugins
+
+# Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
+# every NRI version; the stub never asks for more.
+EVENT_HANDLERS = {
+    1: "run_pod_sandbox",
+    2: "stop_pod_sandbox",
+    3: "remove_pod_sandbox",
+    4: "create_container",
+    5: "post_create_container",
+    6: "start_container",
+    7: "post_start_container",
+    8: "update_container",
+    9: "post_update_container",
+    10: "stop_container",
+    11: "remove_container",
+}
+VALID_EVENTS_BEFORE_0_10 = 0x7FF
+POD_EVENTS = {"run_pod_sandbox", "stop_pod_sandbox", "remove_pod_sandbox"}
+# NRI >= 0.12 calls these directly (falling back to StateChange when we answer UNIMPLEMENTED).
+# Their requests are {1 pod, 2 container}: wire-identical to CreateContainerRequest.
+PER_EVENT_METHODS = {
+    "RunPodSandbox": "run_pod_sandbox",
+    "StopPodSandbox": "stop_pod_sandbox",
+    "RemovePodSandbox": "remove_pod_sandbox",
+    "PostCreateContainer": "post_create_container",
+    "StartContainer": "start_container",
+    "PostStartContainer": "post_start_container",
+    "PostUpdateContainer": "post_update_container",
+    "RemoveContainer": "remove_container",
+}
+
+REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
+REQUEST_TIMEOUT = 2.0  # the runtime's default per-request timeout, until Configure says more
+# Answer within this share of the runtime's deadline: a late answer is worse than an error,
+# because the runtime then drops the plugin and creates the container unpinned (fail open).
+DEADLINE_SHARE = 0.75
+RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
+
+_in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
+
+
+class RegistrationError(Exception):
+    """The runtime refused or ignored our RegisterPlugin."""
+
+
+class UpdateError(Exception):
+    """The runtime refused an unsolicited UpdateContainers."""
+
+
+def event_mask(plugin: object) -> int:
+    """The events a plugin subscribes to: exactly those it has handlers for."""
+    mask = 0
+    for event, name in EVENT_HANDLERS.items():
+        if callable(getattr(plugin, name, None)):
+            mask |= 1 << (event - 1)
+    return mask
+
+
+class Stub:
+    """Connects a plugin object to the runtime and serves it until stopped.
+
+    Two modes: *daemon* (connect to ``socket_path``, reconnect with backoff whenever the
+    runtime goes away) and *runtime-launched* (the runtime started us from its plugin
+    directory and passed a connected socket as fd ``NRI_PLUGIN_SOCKET``; when it closes we
+    are done, since a socketpair cannot be reopened).
+    """
+
+    def __init__(
+        self,
+        plugin: object,
+        name: str,
+        index: str,
+        socket_path: str | None = None,
+        launched_fd: int | None = None,
+    ) -> None:
+        if not (len(index) == 2 and index.isdigit()):
+            raise ValueError(f"plugin index {index!r} must be two digits, 00-99")
+        if not name:
+            raise ValueError("plugin name must not be empty")
+        self.plugin = plugin
+        self.name = name
+        self.index = index
+        self.socket_path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+        self.launched_fd = launched_fd
+        self.events = event_mask(plugin)
+        if not self.events:
+            # On the wire 0 means "everything", which would make us a validator of every
+            # container on NRI >= 0.10.  A plugin without handlers is a mistake.
+            raise ValueError("the plugin defines no event handlers; nothing to subscribe to")
+        self.runtime_name = ""
+        self.runtime_version = ""
+        self.request_timeout = REQUEST_TIMEOUT
+        self.registration_timeout = REGISTRATION_TIMEOUT
+        self.connected = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._conn: wire.Connection | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._write_lock = asyncio.Lock()
+        self._pending: dict[int, asyncio.Future[wire.ResponseReceived]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._sync_pods: list[pb.PodSandbox] = []
+        self._sync_containers: list[pb.Container] = []
+        self._methods: dict[str, Callable[[bytes], Any]] = {
+            "Configure": self._configure,
+            "Synchronize": self._synchronize,
+            "Shutdown": self._shutdown,
+            "CreateContainer": self._create_container,
+            "UpdateContainer": self._update_container,
+            "StopContainer": self._stop_container,
+            "StateChange": self._state_change,
+        }
+        for method, handler in PER_EVENT_METHODS.items():
+            if callable(getattr(plugin, handler, None)):
+                self._methods[method] = self._per_event(handler)
+
+    @classmethod
+    def from_environment(
+        cls, plugin: object, name: str, index: str, socket_path: str | None = None
+    ) -> Stub:
+        """Runtime-launched when NRI_PLUGIN_SOCKET is set (name and index then come from the
+        runtime too); otherwise a daemon on ``socket_path``."""
+        fd = os.environ.get("NRI_PLUGIN_SOCKET")
+        if fd is None:
+            return cls(plugin, name, index, socket_path)
+        if not fd.isdigit():
+            raise ValueError(f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number")
+        return cls(
+            plugin,
+            os.environ.get("NRI_PLUGIN_NAME") or name,
+            os.environ.get("NRI_PLUGIN_IDX") or index,
+            launched_fd=int(fd),
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; in launched mode, until the runtime closes the socket."""
+        if self.launched_fd is not None:
+            sock = socket.socket(fileno=self.launched_fd)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            await self._serve_connection(reader, writer)
+            return
+        delay = RECONNECT_MIN
+        while not self._stopping.is_set():
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            except OSError as err:
+                log.debug(
+                    "cannot connect to %s: %s; retrying in %.2fs", self.socket_path, err, delay
+                )
+                await self._sleep_unless_stopped(delay)
+                delay = min(delay * 2, RECONNECT_MAX)
+                continue
+            delay = RECONNECT_MIN
+            await self._serve_connection(reader, writer)
+            if not self._stopping.is_set():
+                await self._sleep_unless_stopped(RECONNECT_MIN)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._writer is not None:
+            self._writer.close()
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._conn = wire.Connection()
+        self._writer = writer
+        self._sync_pods, self._sync_containers = [], []
+        reading = asyncio.create_task(self._read_loop(reader))
+        try:
+            await self._register()
+            log.info("registered with the runtime as %s-%s", self.index, self.name)
+            self.connected.set()
+            await reading
+        except (RegistrationError, ProtocolError, ConnectionError, TimeoutError) as err:
+            log.warning("NRI connection ended: %s", err)
+        finally:
+            self.connected.clear()
+            reading.cancel()
+            writer.close()
+            self._pending.clear()
+            self._conn = self._writer = None
+            await self._call_plugin("connection_lost")
+
+    async def _register(self) -> None:
+        request = pb.RegisterPluginRequest(plugin_name=self.name, plugin_idx=self.index)
+        response = await self._call(
+            "RegisterPlugin", request.SerializeToString(), self.registration_timeout
+        )
+        if response.code != wire.OK:
+            raise RegistrationError(f"runtime refused registration: {response.message}")
+
+    # --- reading and writing -----------------------------------------------------------------
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            await self._read_events(reader)
+        finally:
+            # Whoever waits for an answer (RegisterPlugin, UpdateContainers) learns at once.
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("the NRI connection closed"))
+
+    async def _read_events(self, reader: asyncio.StreamReader) -> None:
+        assert self._conn is not None
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                raise ConnectionError("the runtime closed the NRI socket")
+            for event in self._conn.receive_data(data):
+                if isinstance(event, wire.RequestReceived):
+                    # Serve concurrently: Configure can arrive while RegisterPlugin waits.
+                    task = asyncio.create_task(self._serve_request(event))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif isinstance(event, wire.BadRequest):
+                    await self._reply(event.stream_id, b"", event.code, event.message)
+                else:
+                    future = self._pending.pop(event.stream_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(event)
+
+    async def _write(self, data: bytes) -> None:
+        async with self._write_lock:  # one writer: frames of two messages never interleave
+            if self._writer is None:
+                raise ConnectionError("not connected to the runtime")
+            self._writer.write(data)
+            await self._writer.drain()
+
+    async def _reply(
+        self, stream_id: int, payload: bytes, code: int = 0, message: str = ""
+    ) -> None:
+        if self._conn is None:
+            return
+        try:
+            await self._write(self._conn.send_response(stream_id, payload, code, message))
+        except ConnectionError as err:  # the runtime went away mid-request; nothing to answer
+            log.debug("reply to stream %d lost: %s", stream_id, err)
+
+    async def _call(self, method: str, payload: bytes, timeout: float) -> wire.ResponseReceived:
+        if self._conn is None:
+            raise ConnectionError("not connected to the runtime")
+        stream_id, data = self._conn.send_request(
+            RUNTIME_SERVICE, method, payload, int(timeout * 1e9)
+        )
+        future = asyncio.get_running_loop().create_future()
+        self._pending[stream_id] = future
+        await self._write(data)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(stream_id, None)
+
+    # --- serving -------------------------------------------------------------------------------
+
+    async def _serve_request(self, request: wire.RequestReceived) -> None:
+        if request.service != PLUGIN_SERVICE:
+            await self._reply(
+                request.stream_id, b"", wire.UNIMPLEMENTED, f"service {request.service}"
+            )
+            return
+        handler = self._methods.get(request.method)
+        if handler is None:
+            await self._reply(
+                request.stream_id, b"", wire.UNIMPLEMENTED, f"method {request.method}"
+            )
+            return
+        budget = self.request_timeout
+        if request.timeout_ns > 0:
+            budget = min(budget, request.timeout_ns / 1e9)
+        token = _in_handler.set(True)
+        try:
+            payload = await asyncio.wait_for(handler(request.payload), budget * DEADLINE_SHARE)
+        except TimeoutError:
+            await self._reply(
+                request.stream_id,
+                b"",
+                wire.DEADLINE_EXCEEDED,
+                f"{self.name}: {request.method} did not finish within "
+                f"{budget * DEADLINE_SHARE:.2f}s",
+            )
+        except Exception as err:  # a handler's refusal: fail the operation, stay connected
+            log.info("%s failed: %s", request.method, err)
+            await self._reply(request.stream_id, b"", wire.UNKNOWN, f"{self.name}: {err}")
+        else:
+            await self._reply(request.stream_id, payload)
+        finally:
+            _in_handler.reset(token)
+        if request.method == "Shutdown":
+            self.stop()
+
+    async def _call_plugin(self, name: str, *args: Any) -> Any:
+        handler = getattr(self.plugin, name, None)
+        if not callable(handler):
+            return None
+        result = handler(*args)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def _configure(self, payload: bytes) -> bytes:
+        request = pb.ConfigureRequest.FromString(payload)
+        self.runtime_name = request.runtime_name
+        self.runtime_version = request.runtime_version
+        if request.request_timeout > 0:  # milliseconds; only NRI >= 0.7 sends it
+            self.request_timeout = request.request_timeout / 1000
+        if request.registration_timeout > 0:
+            self.registration_timeout = request.registration_timeout / 1000
+        await self._call_plugin(
+            "configure", request.config, request.runtime_name, request.runtime_version
+        )
+        events = self.events & VALID_EVENTS_BEFORE_0_10
+        return pb.ConfigureResponse(events=events).SerializeToString()
+
+    async def _synchronize(self, payload: bytes) -> bytes:
+        request = pb.SynchronizeRequest.FromString(payload)
+        self._sync_pods.extend(request.pods)
+        self._sync_containers.extend(request.containers)
+        if request.more:  # a chunk of a split sync: acknowledge, answer on the last one
+            return pb.SynchronizeResponse(more=True).SerializeToString()
+        pods, containers = self._sync_pods, self._sync_containers
+        self._sync_pods, self._sync_containers = [], []
+        updates = await self._call_plugin("synchronize", pods, containers) or []
+        return pb.SynchronizeResponse(update=updates).SerializeToString()
+
+    async def _shutdown(self, payload: bytes) -> bytes:
+        await self._call_plugin("shutdown")
+        return b""
+
+    async def _create_container(self, payload: bytes) -> bytes:
+        request = pb.CreateContainerRequest.FromString(payload)
+        result = await self._call_plugin("create_container", request.pod, request.container)
+        adjust, updates = result if result is not None else (None, [])
+        response = pb.CreateContainerResponse(update=updates or [])
+        if adjust is not None:
+            response.adjust.CopyFrom(adjust)
+        return response.SerializeToString()
+
+    async def _update_container(self, payload: bytes) -> bytes:
+        request = pb.UpdateContainerRequest.FromString(payload)
+        updates = await self._call_plugin(
+            "update_container", request.pod, request.container, request.linux_resources
+        )
+        return pb.UpdateContainerResponse(update=updates or []).SerializeToString()
+
+    async def _stop_container(self, payload: bytes) -> bytes:
+        request = pb.StopContainerRequest.FromString(payload)
+        updates = await self._call_plugin("stop_container", request.pod, request.container)
+        return pb.StopContainerResponse(update=updates or []).SerializeToString()
+
+    async def _state_change(self, payload: bytes) -> bytes:
+        request = pb.StateChangeEvent.FromString(payload)
+        name = EVENT_HANDLERS.get(request.event)
+        if name is not None:
+            await self._dispatch_event(name, request.pod, request.container)
+        return b""
+
+    def _per_event(self, name: str) -> Callable[[bytes], Any]:
+        async def serve(payload: bytes) -> bytes:
+            request = pb.CreateContainerRequest.FromString(payload)  # {1 pod, 2 container}
+            await self._dispatch_event(name, request.pod, request.container)
+            return b""
+
+        return serve
+
+    async def _dispatch_event(self, name: str, pod: pb.PodSandbox, container: pb.Container) -> None:
+        if name in POD_EVENTS:
+            await self._call_plugin(name, pod)
+        else:
+            await self._call_plugin(name, pod, container)
+
+    # --- unsolicited updates -------------------------------------------------------------------
+
+    async def update_containers(
+        self, updates: Iterable[pb.ContainerUpdate], timeout: float | None = None
+    ) -> list[pb.ContainerUpdate]:
+        """Ask the runtime to update containers outside any event; returns the failed ones.
+
+        Refused inside an event handler: the runtime holds its lock for the event we are
+        serving, so waiting here would deadlock until the runtime drops us
+        (containerd/nri#301).  Return updates from the handler instead, or call
+        ``schedule_update_containers``.
+        """
+        if _in_handler.get():
+            raise RuntimeError(
+                "update_containers() awaited inside an NRI event handler would deadlock; "
+                "return the updates in the handler's reply or use schedule_update_containers()"
+            )
+        request = pb.UpdateContainersRequest(update=list(updates))
+        response = await self._call(
+            "UpdateContainers", request.SerializeToString(), timeout or self.request_timeout
+        )
+        if response.code != wire.OK:
+            raise UpdateError(f"runtime refused UpdateContainers: {response.message}")
+        return list(pb.UpdateContainersResponse.FromString(response.payload).failed)
+
+    def schedule_update_containers(
+        self,
+        updates: Iterable[pb.ContainerUpdate],
+        done: Callable[[list[pb.ContainerUpdate] | BaseException], None] | None = None,
+    ) -> asyncio.Task:
+        """Send UpdateContainers in the background, after the current event's reply."""
+        updates = list(updates)
+
+        async def send() -> list[pb.ContainerUpdate]:
+            await asyncio.sleep(0)  # let the handler's reply go out first
+            try:
+                failed = await self.update_containers(updates)
+            except Exception as err:
+                if done is not None:
+                    done(err)
+                raise
+            if done is not None:
+                done(failed)
+            return failed
+
+        # A fresh context: the task must not inherit the "inside a handler" flag.
+        task = asyncio.get_running_loop().create_task(send(), context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

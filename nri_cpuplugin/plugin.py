@@ -1,0 +1,330 @@
+"""The NRI CPU plugin: runtime events -> policy decisions -> committed state -> cpusets.
+
+Every decision is committed to the state file *before* the reply leaves, so a crash can lose
+a reply but never a decision; and every reply that moves CPUs carries the updates for all
+shared-pool containers, so there is no instant at which a shared container may run on a CPU
+that was just made exclusive (kubelet leaves that window open for up to 10 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import audit as audit_mod
+from .audit import Audit
+from .config import Settings, merge, parse_toml
+from .cpuset import CPUSet
+from .nri.pb import nri_pb2 as pb
+from .policy import Decision, PolicyError, StaticPolicy
+from .reconcile import LiveContainer, reconcile
+from .state import NodeState
+from .store import Expected, StateStore
+from .topology import discover
+from .workload import Workload, from_nri
+
+log = logging.getLogger("nri_cpuplugin")
+
+LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNING
+# The runtime gives us 2 s per request by default; waiting longer on the lock than this would
+# turn a refusal into a timeout, and a timeout starts the container unpinned.
+LOCK_TIMEOUT = 1.0
+
+
+class CPUPlugin:
+    """Handlers for nri.stub.Stub.  ``settings`` are defaults + file; ``flags`` win over both
+    the file and the runtime's config string."""
+
+    def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
+        self.file_settings = settings
+        self.flags = dict(flags)
+        self.audit = audit
+        self.stub: Any = None  # set by whoever runs the stub; needed for unsolicited updates
+        self.state: NodeState | None = None
+        self.handler_seconds: dict[str, list[float]] = {}
+        # Validate everything now so a bad configuration fails at start, not at first event.
+        self._build(merge(settings, self.flags))
+
+    def _build(self, settings: Settings) -> None:
+        topology = discover(settings.sysfs)
+        self.policy = StaticPolicy.from_config(
+            topology,
+            settings.reserved_cpus,
+            settings.effective_reserved_count,
+            settings.policy_options,
+        )
+        self.settings = settings
+        self.store = StateStore(settings.state_dir, lock_timeout=LOCK_TIMEOUT)
+        self.state = None  # loaded by load_state(), under the lock
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def load_state(self) -> None:
+        """Read the state file; anything unusable is set aside and we start from empty (the
+        runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
+        policy = self.policy
+        with self.store.locked(timeout=-1):
+            result = self.store.load(
+                Expected(policy.name, policy.topology.fingerprint(), policy.reserved)
+            )
+            state = result.state
+            problem = result.problem
+            if state is not None:
+                problem = policy.check(state)
+                if problem is not None:
+                    self.store.set_aside()
+                    state = None
+            if state is None:
+                if result.quarantined is not None or problem != result.problem:
+                    self.audit.record(
+                        "state-rebuild",
+                        f"state file set aside, rebuilding from the runtime: {problem}",
+                        audit_mod.WARNING,
+                        reason=problem,
+                    )
+                else:
+                    self.audit.record("state-new", f"starting with empty state ({problem})")
+                state = policy.empty_state()
+            else:
+                state = policy.normalized(state)
+                self.audit.record(
+                    "state-loaded",
+                    f"state loaded: {len(state.assignments)} exclusive assignments",
+                    shared_cpus=state.shared,
+                )
+            self.store.commit(state)
+        self.state = state
+
+    def _commit(self, new_state: NodeState) -> None:
+        if new_state is not self.state:
+            self.store.commit(new_state)
+            self.state = new_state
+
+    # --- NRI handlers --------------------------------------------------------------------------
+
+    def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+        self.audit.common["RUNTIME"] = f"{runtime_name} {runtime_version}".strip()
+        overrides = (
+            parse_toml(config, "plugin config sent by the runtime") if config.strip() else {}
+        )
+        settings = merge(self.file_settings, overrides, self.flags)
+        if settings != self.settings:
+            self._build(settings)
+        if self.state is None:
+            self.load_state()
+        self.audit.record(
+            "config",
+            f"configured by {runtime_name} {runtime_version}: reserved {self.policy.reserved}, "
+            f"options {','.join(sorted(self.policy.options)) or 'none'}, "
+            f"state in {self.settings.state_dir}",
+            reserved_cpus=self.policy.reserved,
+            shared_cpus=self.state.shared,
+        )
+        self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
+
+    def synchronize(
+        self, pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container]
+    ) -> list[pb.ContainerUpdate]:
+        started = time.perf_counter()
+        pods = list(pods)
+        by_id = {pod.id: pod for pod in pods}
+        live = []
+        for container in containers:
+            pod = by_id.get(container.pod_sandbox_id)
+            if pod is None or container.state not in LIVE_STATES:
+                continue
+            live.append(LiveContainer(from_nri(pod, container), _cpus(container)))
+        with self.store.locked():
+            result = reconcile(self.policy, self.state, live, [pod.uid for pod in pods])
+            self._commit(result.state)
+        for note in result.notes:
+            self.audit.record("reconcile", note, reason="synchronize")
+        self.audit.record(
+            "synchronize",
+            f"synchronized {len(live)} live containers: {len(self.state.assignments)} exclusive, "
+            f"shared pool {self.state.shared}",
+            shared_cpus=self.state.shared,
+        )
+        updates = [self._update_for(c.workload.container_id) for c in live]
+        self._timed("synchronize", started)
+        return updates
+
+    def create_container(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        started = time.perf_counter()
+        workload = from_nri(pod, container)
+        with self.store.locked():
+            try:
+                decision, new_state = self.policy.admit(self.state, workload)
+            except PolicyError as err:
+                self.audit.record(
+                    "refuse", str(err), audit_mod.ERR, reason=str(err), **_identity(workload)
+                )
+                raise
+            self._commit(new_state)
+        self._audit_decision(decision, workload)
+        adjust = pb.ContainerAdjustment()
+        self._fill_cpu(adjust.linux.resources.cpu, decision.cpus, decision.mems, decision.exclusive)
+        updates = []
+        if decision.shared_changed:
+            updates = self._sibling_updates(exclude=workload.container_id)
+        self._timed("create_container", started)
+        return adjust, updates
+
+    def update_container(
+        self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
+    ) -> list[pb.ContainerUpdate]:
+        """Someone (kubelet, an operator) updates resources: keep our cpuset in force."""
+        cid = container.id
+        if cid not in self.state.assignments and cid not in self.state.sharing:
+            return []  # not a container we place
+        update = self._update_for(cid)
+        update.ignore_failure = False
+        return [update]
+
+    def stop_container(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> list[pb.ContainerUpdate]:
+        started = time.perf_counter()
+        decision = self._release(container.id, pod)
+        updates = []
+        if decision is not None and decision.shared_changed:
+            updates = self._sibling_updates(exclude=container.id)
+        self._timed("stop_container", started)
+        return updates
+
+    def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        # Normally StopContainer released it already; if that was missed, the pool grows now
+        # and the siblings hear about it right after this event.
+        decision = self._release(container.id, pod)
+        if decision is not None and decision.shared_changed:
+            self._push_sibling_updates()
+
+    def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
+        with self.store.locked():
+            before = self.state.shared
+            self._commit(self.policy.forget_pod(self.state, pod.uid))
+        if self.state.shared != before:
+            self._push_sibling_updates()
+
+    def connection_lost(self) -> None:
+        self.audit.record("disconnect", "lost the connection to the runtime", audit_mod.WARNING)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _release(self, cid: str, pod: pb.PodSandbox) -> Decision | None:
+        with self.store.locked():
+            decision, new_state = self.policy.release(self.state, cid)
+            self._commit(new_state)
+        if decision is not None:
+            held = decision.cpus
+            self.audit.record(
+                "release",
+                f"released CPUs {held} of container {cid[:12]} (pod {pod.namespace}/{pod.name})",
+                container_id=cid,
+                pod_uid=pod.uid,
+                pod_name=pod.name,
+                pod_namespace=pod.namespace,
+                cpus=held,
+                shared_cpus=decision.shared_after,
+            )
+            self._audit_resize(decision)
+        return decision
+
+    def _fill_cpu(self, cpu: pb.LinuxCPU, cpus: CPUSet, mems: CPUSet, exclusive: bool) -> None:
+        cpu.cpus = str(cpus)
+        if mems:
+            cpu.mems = str(mems)
+        if exclusive and self.settings.cfs_quota == "unlimited":
+            # No CFS quota on exclusive CPUs (kubelet >= 1.33 does the same): the cpuset already
+            # bounds the container, and quota only adds throttling stalls.
+            cpu.quota.value = -1
+
+    def _update_for(self, cid: str) -> pb.ContainerUpdate:
+        update = pb.ContainerUpdate(container_id=cid, ignore_failure=True)
+        held = self.state.assignments.get(cid)
+        if held is not None:
+            self._fill_cpu(
+                update.linux.resources.cpu, held.cpus, self.policy.topology.numa_of(held.cpus), True
+            )
+        else:
+            self._fill_cpu(update.linux.resources.cpu, self.state.shared, CPUSet(), False)
+        return update
+
+    def _sibling_updates(self, exclude: str) -> list[pb.ContainerUpdate]:
+        # ignore_failure: a sibling that exits at this very moment must not fail a creation.
+        return [self._update_for(cid) for cid in sorted(self.state.sharing) if cid != exclude]
+
+    def _push_sibling_updates(self) -> None:
+        updates = self._sibling_updates(exclude="")
+        if updates and self.stub is not None:
+            self.stub.schedule_update_containers(updates, self._updates_done)
+
+    def _updates_done(self, result: Any) -> None:
+        if isinstance(result, BaseException):
+            self.audit.record(
+                "update-failed",
+                f"updating shared containers failed: {result}",
+                audit_mod.WARNING,
+                reason=str(result),
+            )
+
+    def _audit_decision(self, decision: Decision, workload: Workload) -> None:
+        if decision.exclusive:
+            self.audit.record(
+                "allocate",
+                f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name} got "
+                f"exclusive CPUs {decision.cpus} (NUMA {decision.mems}): {decision.reason}",
+                reason=decision.reason,
+                cpus=decision.cpus,
+                mems=decision.mems,
+                shared_cpus=decision.shared_after,
+                **_identity(workload),
+            )
+        else:
+            self.audit.record(
+                "share",
+                f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name} runs in "
+                f"the shared pool {decision.cpus}: {decision.reason}",
+                audit_mod.DEBUG,
+                reason=decision.reason,
+                cpus=decision.cpus,
+                **_identity(workload),
+            )
+        self._audit_resize(decision)
+
+    def _audit_resize(self, decision: Decision) -> None:
+        if decision.shared_changed:
+            self.audit.record(
+                "shared-resize",
+                f"shared pool {decision.shared_before} -> {decision.shared_after} "
+                f"({len(self.state.sharing)} containers updated in the same reply)",
+                reason=decision.reason,
+                shared_cpus=decision.shared_after,
+                old_shared_cpus=decision.shared_before,
+            )
+
+    def _timed(self, handler: str, started: float) -> None:
+        samples = self.handler_seconds.setdefault(handler, [])
+        samples.append(time.perf_counter() - started)
+        del samples[:-10_000]  # bounded: a long-running daemon must not grow
+
+
+def _identity(workload: Workload) -> dict[str, str]:
+    return {
+        "container_id": workload.container_id,
+        "container_name": workload.container_name,
+        "pod_uid": workload.pod_uid,
+        "pod_name": workload.pod_name,
+        "pod_namespace": workload.pod_namespace,
+    }
+
+
+def _cpus(container: pb.Container) -> CPUSet:
+    try:
+        return CPUSet.parse(container.linux.resources.cpu.cpus)
+    except ValueError:
+        return CPUSet()

@@ -1,0 +1,96 @@
+"""Rebuild the node's state from the runtime's truth plus what the state file remembers.
+
+Used when the runtime lists everything it runs (NRI Synchronize) and whenever the stored state
+could not be trusted.  Pure: live containers and a state in, a consistent state and a list of
+what changed out.  The rules, in order:
+
+1. An assignment whose container is no longer live is dropped (it stopped while we were away).
+2. What stopped containers are remembered by is kept only for pods that still exist.
+3. A live container that keeps its assignment keeps its CPUs.
+4. An eligible live container without one (created while we were away, or the state file was
+   lost) keeps the CPUs it already runs on when they are exactly its request and free -
+   nothing moves under a running workload - or else is placed like a new container.
+5. Everything else runs in the shared pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .cpuset import CPUSet
+from .policy import PolicyError, StaticPolicy
+from .state import NodeState
+from .workload import Workload
+
+
+@dataclass(frozen=True)
+class LiveContainer:
+    workload: Workload
+    cpus: CPUSet  # what it runs on now (empty when unknown)
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    state: NodeState
+    notes: tuple[str, ...]  # one line per change, for the audit trail
+
+
+def reconcile(
+    policy: StaticPolicy,
+    state: NodeState,
+    live: Iterable[LiveContainer],
+    live_pods: Iterable[str],
+) -> Reconciled:
+    live = list(live)
+    live_ids = {c.workload.container_id for c in live}
+    pods = set(live_pods) | {c.workload.pod_uid for c in live}
+    notes: list[str] = []
+
+    kept = {}
+    for cid, assignment in state.assignments.items():
+        if cid in live_ids:
+            kept[cid] = assignment
+        else:
+            notes.append(f"dropped {assignment.cpus} of container {cid[:12]} (no longer running)")
+    released = {key: r for key, r in state.released.items() if key[0] in pods}
+    state = state.evolve(assignments=kept, released=released, sharing={})
+    state = state.evolve(shared=policy.shared_pool(state.exclusive))
+
+    # Adopt first, so that containers already on their own CPUs are not displaced by
+    # newcomers placed anew; then place the rest in a stable order.
+    waiting = []
+    for container in sorted(live, key=lambda c: c.workload.container_id):
+        workload = container.workload
+        if workload.container_id in state.assignments:
+            continue
+        try:
+            count = policy.eligibility(workload)[0]
+        except PolicyError as err:
+            notes.append(f"container {workload.container_id[:12]} shares: {err}")
+            continue
+        if count is None:
+            continue
+        adopted = policy.adopt(state, workload, container.cpus)
+        if adopted is not None:
+            state = adopted
+            notes.append(f"adopted {container.cpus} already used by {_name(workload)}")
+        else:
+            waiting.append(workload)
+    for workload in waiting:
+        try:
+            decision, state = policy.admit(state, workload)
+        except PolicyError as err:
+            notes.append(f"{_name(workload)} left in the shared pool: {err}")
+            continue
+        notes.append(f"placed {_name(workload)} on {decision.cpus}")
+    sharing = {
+        c.workload.container_id: c.workload.pod_uid
+        for c in live
+        if c.workload.container_id not in state.assignments
+    }
+    return Reconciled(policy.normalized(state.evolve(sharing=sharing)), tuple(notes))
+
+
+def _name(workload: Workload) -> str:
+    return f"container {workload.container_name!r} ({workload.container_id[:12]})"

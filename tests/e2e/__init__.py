@@ -1,0 +1,1 @@
+"""End-to-end tests against real container runtimes (see tests/harness/README.md)."""

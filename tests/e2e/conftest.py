@@ -1,0 +1,109 @@
+"""Fixtures for tests that run real containerd (1.7 and 2.1) through CRI, with NRI enabled.
+
+* ``containerd`` - a started, private containerd per test, parametrized over both versions
+  (ids ``containerd-1.7`` / ``containerd-2.1``).  Function scope: a test may restart or kill
+  it, and start-up is ~0.2 s.  Teardown removes every pod, process, mount and cgroup it made.
+* ``make_containerd`` - the same, with options (NRI timeouts, plugins placed before start...).
+* ``cri`` - the CRI client of ``containerd``.
+
+A runtime that cannot be prepared or started fails the test with the reason and the
+containerd log tail; nothing here ever skips.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import cri as cri_mod
+from harness import debs, image
+from harness.containerd import VERSIONS, Containerd, reap_stale
+from harness.packages import RUNC
+
+CONTAINERD_VERSIONS = sorted(VERSIONS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: runs real container runtimes (root, Linux)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def lab() -> Path:
+    """Everything slow, done once and cached on disk: packages unpacked, images built, CRI
+    stubs generated.  Also cleans up after earlier runs that were killed mid-test."""
+    if os.geteuid() != 0:
+        pytest.fail("e2e tests run containerd and need root", pytrace=False)
+    try:
+        for deb in (*VERSIONS.values(), RUNC):
+            debs.unpack(deb)
+        image.images_tar()
+        cri_mod.stubs()
+    except Exception as e:
+        pytest.fail(f"preparing the runtime lab in {debs.LAB} failed: {e}", pytrace=False)
+    if stale := reap_stale():
+        pytest.fail("leftovers of an earlier run could not be removed:\n" + "\n".join(stale))
+    return debs.LAB
+
+
+@pytest.fixture(params=CONTAINERD_VERSIONS, ids=lambda v: f"containerd-{v}")
+def containerd_version(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_containerd(
+    request: pytest.FixtureRequest, lab: Path, containerd_version: str
+) -> Iterator[Callable[..., Containerd]]:
+    """``make_containerd(start=True, **options)`` -> a Containerd of this test's version;
+    every instance made is torn down after the test, whatever happened."""
+    made: list[Containerd] = []
+    request.node._containerds = made  # for the failure report below
+
+    def make(*, start: bool = True, **options: Any) -> Containerd:
+        ctrd = Containerd(containerd_version, lab=lab, **options)
+        made.append(ctrd)
+        if start:
+            try:
+                ctrd.start()
+            except Exception as e:
+                pytest.fail(f"containerd {containerd_version} did not start: {e}", pytrace=False)
+        return ctrd
+
+    yield make
+    problems = []
+    for ctrd in made:
+        problems += ctrd.teardown()
+    if problems:
+        pytest.fail("teardown left things behind:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def containerd(make_containerd: Callable[..., Containerd]) -> Containerd:
+    return make_containerd()
+
+
+@pytest.fixture
+def cri(containerd: Containerd) -> cri_mod.CRIClient:
+    return containerd.cri()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    report = yield
+    # A failing e2e test is much easier to read with what containerd said meanwhile.
+    if report.failed:
+        for ctrd in getattr(item, "_containerds", []):
+            report.sections.append(
+                (f"containerd {ctrd.version} log ({ctrd.dir.name})", ctrd.log_tail(60))
+            )
+    return report

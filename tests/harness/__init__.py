@@ -1,0 +1,1 @@
+"""Test harness for real runtimes: Debian packages, containerd, runc, CRI client.  Test-only."""

@@ -1,0 +1,58 @@
+"""The exact Debian packages the tests run against, pinned by version and SHA256."""
+
+from __future__ import annotations
+
+from .debs import Deb
+
+# containerd 1.7.24 carries NRI 0.6.1 (trixie); 2.1.9 carries NRI 0.8.0 (sid).  Both need only
+# GLIBC_2.34, so they run on bookworm.  runc comes from bookworm: trixie's needs GLIBC_2.38.
+CONTAINERD_17 = Deb(
+    "containerd",
+    "1.7.24~ds1-6+deb13u1",
+    "ed708deb96fe476a3bce4efa5c0538dfbcf717ab9a7c7944ba7260342c25899c",
+)
+CONTAINERD_21 = Deb(
+    "containerd", "2.1.9+ds1-5", "2dda86ce7033fd612fc50e136679d8174ccad680eb29cd4611e0d2a1b84cf591"
+)
+RUNC = Deb(
+    "runc",
+    "1.1.5+ds1-1+deb12u1",
+    "a00351f8c0318de0b424ecf5cd0fdb69880a89f3511cae4f6fff7de3e57881c5",
+)
+BUSYBOX_STATIC = Deb(
+    "busybox-static",
+    "1:1.35.0-4+deb12u1+b1",
+    "3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744",
+)
+# Upstream Go sources: the NRI api.proto our own .proto must match, and the CRI api.proto the
+# test client is generated from.
+NRI_API_061 = Deb(
+    "golang-github-containerd-nri-dev",
+    "0.6.1-2",
+    "13fd28aa658d48ae70e640a6d2687e7327adce1786abb078954418adfc92c1a8",
+    arch="all",
+)
+NRI_API_080 = Deb(
+    "golang-github-containerd-nri-dev",
+    "0.8.0-1",
+    "8081f1a966e3670dcfed1202bf533902a3f3fead6c29c00a6091a7de2409bcf7",
+    arch="all",
+)
+TTRPC_124 = Deb(
+    "golang-github-containerd-ttrpc-dev",
+    "1.2.4-2",
+    "706e0150076e067d70ff381b2cfb451e200ed3a23a9159c0daf8764fc259b8e8",
+    arch="all",
+)
+TTRPC_127 = Deb(
+    "golang-github-containerd-ttrpc-dev",
+    "1.2.7-1",
+    "6e3462238cf8258c31e5cec47ff7fc00ce5785711215301df4828feccc151bb6",
+    arch="all",
+)
+CRI_API = Deb(
+    "golang-github-kubernetes-cri-api-dev",
+    "0.32.3-1",
+    "634610347b36362eb4614eb98c494cb9363d5d873da99806ba2b181460a93b20",
+    arch="all",
+)

@@ -1,0 +1,159 @@
+"""The plugin's NRI handlers, called with real NRI messages, on a generated 48-CPU topology."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from topologies import build
+
+from nri_cpuplugin.audit import Audit
+from nri_cpuplugin.config import ConfigError, Settings
+from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.plugin import CPUPlugin
+from nri_cpuplugin.policy import PolicyError
+
+P = CPUSet.parse
+
+
+def pod(name: str, qos: str = "guaranteed") -> pb.PodSandbox:
+    parent = {"guaranteed": f"/kubepods/pod{name}", "burstable": f"/kubepods/burstable/pod{name}",
+              "besteffort": f"/kubepods/besteffort/pod{name}"}[qos]
+    sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="ns")
+    sandbox.linux.cgroup_parent = parent
+    return sandbox
+
+
+def container(name: str, sandbox: pb.PodSandbox, milli: int, state: int = 3, cpus: str = ""):
+    c = pb.Container(id=f"{name:0<64}", pod_sandbox_id=sandbox.id, name=name, state=state)
+    c.linux.resources.cpu.shares.value = max(2, milli * 1024 // 1000)
+    c.linux.resources.cpu.period.value = 100000
+    c.linux.resources.cpu.quota.value = milli * 100
+    c.linux.resources.cpu.cpus = cpus
+    return c
+
+
+class Records(list):
+    def __call__(self, record):
+        self.append(record)
+
+    def actions(self):
+        return [r["ACTION"] for r in self]
+
+
+@pytest.fixture
+def node(tmp_path):
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    records = Records()
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
+    plugin = CPUPlugin(settings, Audit(records))
+    plugin.configure("", "containerd", "v2.1.9")
+    return plugin, records
+
+
+def cpu_of(message) -> tuple[str, str, int | None]:
+    cpu = message.linux.resources.cpu
+    return cpu.cpus, cpu.mems, cpu.quota.value if cpu.HasField("quota") else None
+
+
+def test_exclusive_container_is_born_pinned_and_siblings_shrink_in_the_same_reply(node):
+    plugin, records = node
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    db = pod("db")
+    adjust, updates = plugin.create_container(db, container("postgres", db, 2000))
+    assert cpu_of(adjust) == ("1,25", "0", -1)  # 0,24 reserved; CFS quota lifted
+    assert [(u.container_id[:5], cpu_of(u), u.ignore_failure) for u in updates] == [
+        ("nginx", ("0,2-24,26-47", "", None), True)
+    ]
+    assert "allocate" in records.actions() and "shared-resize" in records.actions()
+    allocate = next(r for r in records if r["ACTION"] == "allocate")
+    assert allocate["CPUS"] == "1,25" and allocate["POD_NAME"] == "db"
+
+
+def test_unsatisfiable_request_fails_closed_and_is_audited(node):
+    plugin, records = node
+    db = pod("db")
+    with pytest.raises(PolicyError, match="asks for 60 exclusive CPUs"):
+        plugin.create_container(db, container("huge", db, 60000))
+    assert records[-1]["ACTION"] == "refuse" and records[-1]["PRIORITY"] == "3"
+    assert not plugin.state.assignments
+
+
+def test_update_container_never_undoes_pinning(node):
+    plugin, _ = node
+    db = pod("db")
+    ctr = container("postgres", db, 2000)
+    plugin.create_container(db, ctr)
+    requested = pb.LinuxResources()
+    requested.cpu.cpus = "0-47"
+    [update] = plugin.update_container(db, ctr, requested)
+    assert cpu_of(update) == ("1,25", "0", -1) and not update.ignore_failure
+
+
+def test_stop_gives_cpus_back_to_every_shared_container(node):
+    plugin, records = node
+    web = pod("web", "besteffort")
+    plugin.create_container(web, container("a", web, 0))
+    plugin.create_container(web, container("b", web, 0))
+    db = pod("db")
+    ctr = container("postgres", db, 4000)
+    plugin.create_container(db, ctr)
+    updates = plugin.stop_container(db, ctr)
+    assert sorted(u.container_id[:1] for u in updates) == ["a", "b"]
+    assert {u.linux.resources.cpu.cpus for u in updates} == {"0-47"}
+    assert records[-2]["ACTION"] == "release" and records[-1]["ACTION"] == "shared-resize"
+
+
+def test_state_survives_a_restart_and_restarted_container_keeps_its_cpus(node, tmp_path):
+    plugin, _ = node
+    db = pod("db")
+    plugin.create_container(db, container("other", db, 2000))
+    first = container("postgres", db, 2000)
+    adjust, _ = plugin.create_container(db, first)
+    plugin.stop_container(db, first)
+    # a new daemon on the same state directory (kill -9 and restart)
+    again = CPUPlugin(plugin.file_settings, Audit(Records()))
+    again.configure("", "containerd", "v1.7.24")
+    restarted = container("postgres2", db, 2000)
+    restarted.name = "postgres"  # same pod and name, new id
+    adjust2, _ = again.create_container(db, restarted)
+    assert adjust2.linux.resources.cpu.cpus == adjust.linux.resources.cpu.cpus
+
+
+def test_synchronize_rebuilds_and_returns_updates_for_everyone(node):
+    plugin, records = node
+    db, web = pod("db"), pod("web", "burstable")
+    containers = [
+        container("pinned", db, 2000, cpus="7,31"),
+        container("unpinned", db, 1000, cpus="0-47"),
+        container("shared", web, 250, cpus="0-47"),
+        container("exited", web, 250, state=4),
+    ]
+    updates = plugin.synchronize([db, web], containers)
+    got = {u.container_id[:8]: cpu_of(u)[0] for u in updates}
+    assert got == {"pinned00": "7,31", "unpinned": "1", "shared00": "0,2-6,8-30,32-47"}
+
+
+def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
+    plugin, _ = node
+    state_file = tmp_path / "state" / "state.json"
+    state_file.write_text('{"version": 1, "truncated')
+    records = Records()
+    again = CPUPlugin(plugin.file_settings, Audit(records))
+    again.configure("", "containerd", "v2.1.9")
+    assert records.actions()[0] == "state-rebuild"
+    assert list((tmp_path / "state").glob("state.json.bad-*"))
+    assert json.loads(state_file.read_text())["assignments"] == {}
+
+
+def test_runtime_config_string_is_applied_and_flags_win(tmp_path):
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "a"))
+    plugin = CPUPlugin(settings, Audit(Records()), {"policy_options": ("full-pcpus-only",)})
+    plugin.configure('reserved_cpus = "0-1,24-25"\npolicy_options = []', "containerd", "v1.7")
+    assert plugin.policy.reserved == P("0-1,24-25")
+    assert plugin.policy.options == {"full-pcpus-only"}
+    with pytest.raises(ConfigError, match="unknown key 'reserve_cpus'"):
+        plugin.configure("reserve_cpus = 2", "containerd", "v1.7")

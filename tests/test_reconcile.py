@@ -1,0 +1,69 @@
+"""Rebuilding state from the runtime's list of live containers."""
+
+from __future__ import annotations
+
+from topologies import topology
+
+from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.policy import EXCLUSIVE_ANNOTATION, StaticPolicy
+from nri_cpuplugin.reconcile import LiveContainer, reconcile
+from nri_cpuplugin.workload import BURSTABLE, GUARANTEED, Workload
+
+P = CPUSet.parse
+
+
+def wl(cid: str, milli: int = 2000, qos: str = GUARANTEED, pod: str = "p", **ann) -> Workload:
+    return Workload(
+        container_id=cid.ljust(64, "0"),
+        container_name=cid,
+        pod_uid=pod,
+        qos=qos,
+        cpu_request_milli=milli,
+        annotations=ann,
+    )
+
+
+def policy() -> StaticPolicy:
+    return StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2)
+
+
+def test_rebuild_from_nothing_adopts_running_cpus_and_places_newcomers():
+    p = policy()
+    live = [
+        LiveContainer(wl("a"), P("7,31")),  # already pinned by an earlier life of ours
+        LiveContainer(wl("b"), P("0-47")),  # created while we were down: unpinned
+        LiveContainer(wl("c", 500, BURSTABLE), P("0-47")),
+    ]
+    result = reconcile(p, p.empty_state(), live, ["p"])
+    cpus = {a.container_name: a.cpus for a in result.state.assignments.values()}
+    assert cpus == {"a": P("7,31"), "b": P("1,25")}
+    assert result.state.sharing == {wl("c").container_id: "p"}
+    assert result.state.shared == P("0,2-6,8-24,26-30,32-47")
+    assert any("adopted 7,31" in n for n in result.notes)
+
+
+def test_stale_assignments_are_dropped_and_kept_ones_stay():
+    p = policy()
+    state = p.empty_state()
+    _, state = p.admit(state, wl("keep"))
+    _, state = p.admit(state, wl("gone", pod="dead-pod"))
+    _, state = p.release(state, wl("gone", pod="dead-pod").container_id)
+    _, state = p.admit(state, wl("stale"))
+    result = reconcile(p, state, [LiveContainer(wl("keep"), CPUSet())], ["p"])
+    assert [a.container_name for a in result.state.assignments.values()] == ["keep"]
+    assert not result.state.released  # the pod is gone: nothing to remember it by
+    assert any(n.startswith("dropped") and "stale" in n for n in result.notes)
+
+
+def test_opted_out_and_unsatisfiable_containers_share():
+    p = policy()
+    live = [
+        LiveContainer(wl("optout", **{EXCLUSIVE_ANNOTATION: "false"}), P("0-47")),
+        LiveContainer(wl("huge", 60000), P("0-47")),
+        LiveContainer(wl("odd", **{EXCLUSIVE_ANNOTATION: "perhaps"}), P("0-47")),
+    ]
+    result = reconcile(p, p.empty_state(), live, ["p"])
+    assert not result.state.assignments
+    assert len(result.state.sharing) == 3
+    assert any("left in the shared pool" in n for n in result.notes)
+    assert any("'perhaps'" in n for n in result.notes)

@@ -1,0 +1,274 @@
+"""The asyncio stub against the FAKE runtime of fake_runtime.py (races and corner cases that a
+real containerd cannot be made to produce on demand; the real ones are in tests/e2e/)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from fake_runtime import FakeRuntime
+
+from nri_cpuplugin.nri import stub as stub_module
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.nri.stub import Stub, event_mask
+
+
+class Recorder:
+    """A plugin with the handlers a CPU pinner needs, recording what it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+        self.stub: Stub | None = None
+
+    def configure(self, config, runtime, version):
+        self.seen.append(("configure", config, runtime, version))
+
+    def synchronize(self, pods, containers):
+        self.seen.append(("synchronize", len(pods), len(containers)))
+        return [pb.ContainerUpdate(container_id=c.id) for c in containers[:1]]
+
+    def create_container(self, pod, container):
+        self.seen.append(("create", container.id))
+        if container.name == "refuse":
+            raise ValueError("not enough CPUs: asked 9, free 1")
+        adjust = pb.ContainerAdjustment()
+        adjust.linux.resources.cpu.cpus = "1"
+        adjust.linux.resources.cpu.mems = "0"
+        update = pb.ContainerUpdate(container_id="sibling")
+        update.linux.resources.cpu.cpus = "0"
+        return adjust, [update]
+
+    async def stop_container(self, pod, container):
+        self.seen.append(("stop", container.id))
+        if container.name == "slow":
+            await asyncio.sleep(10)
+        if container.name == "greedy":
+            await self.stub.update_containers([])  # must be refused: would deadlock
+        return []
+
+    def remove_container(self, pod, container):
+        self.seen.append(("remove", container.id))
+
+    def remove_pod_sandbox(self, pod):
+        self.seen.append(("remove-pod", pod.id))
+
+
+def run(test: Callable[[Path], Awaitable[None]], tmp_path: Path) -> None:
+    asyncio.run(asyncio.wait_for(test(tmp_path / "nri.sock"), 20))
+
+
+async def connected(
+    path: Path, plugin=None, **kw
+) -> tuple[FakeRuntime, Stub, Recorder, asyncio.Task]:
+    runtime = FakeRuntime(path, **kw)
+    await runtime.start()
+    plugin = plugin or Recorder()
+    stub = Stub(plugin, "cpuplugin", "50", socket_path=str(path))
+    plugin.stub = stub
+    task = asyncio.create_task(stub.run())
+    await asyncio.wait_for(runtime.registered.wait(), 5)
+    await asyncio.wait_for(stub.connected.wait(), 5)
+    return runtime, stub, plugin, task
+
+
+async def shutdown(runtime: FakeRuntime, stub: Stub, task: asyncio.Task) -> None:
+    stub.stop()
+    await runtime.close()
+    await asyncio.wait_for(task, 5)
+
+
+def req(name: str = "c", cid: str = "c1") -> pb.CreateContainerRequest:
+    return pb.CreateContainerRequest(
+        pod=pb.PodSandbox(id="pod1", name="p", uid="u1", namespace="ns"),
+        container=pb.Container(id=cid, pod_sandbox_id="pod1", name=name),
+    )
+
+
+def test_mask_is_derived_from_handlers():
+    assert event_mask(Recorder()) == 0x8 | 0x200 | 0x400 | 0x4
+    with pytest.raises(ValueError, match="no event handlers"):
+        Stub(object(), "x", "10")
+    with pytest.raises(ValueError, match="two digits"):
+        Stub(Recorder(), "x", "5")
+
+
+@pytest.mark.parametrize("configure_first", [True, False])
+def test_handshake_in_either_order(tmp_path, configure_first):
+    async def test(path):
+        runtime, stub, plugin, task = await connected(
+            path, configure_before_register_reply=configure_first
+        )
+        assert runtime.register_request.plugin_name == "cpuplugin"
+        assert runtime.register_request.plugin_idx == "50"
+        assert runtime.configure_response.events == 0x60C
+        assert plugin.seen[:2] == [("configure", "", "fake", "v0"), ("synchronize", 0, 0)]
+        assert stub.request_timeout == 2.0
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_create_container_adjusts_and_updates_siblings(tmp_path):
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        reply = await runtime.call("CreateContainer", req())
+        response = pb.CreateContainerResponse.FromString(reply.payload)
+        assert reply.code == 0
+        assert response.adjust.linux.resources.cpu.cpus == "1"
+        assert [u.container_id for u in response.update] == ["sibling"]
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_handler_error_fails_the_operation_but_keeps_the_plugin(tmp_path):
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        reply = await runtime.call("CreateContainer", req(name="refuse"))
+        assert reply.code == 2
+        assert reply.message == "cpuplugin: not enough CPUs: asked 9, free 1"
+        again = await runtime.call("CreateContainer", req(cid="c2"))
+        assert again.code == 0 and stub.connected.is_set()
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_unknown_methods_and_services_are_unimplemented(tmp_path):
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        reply = await runtime.call("ValidateContainerAdjustment", b"")
+        assert (reply.code, reply.message) == (12, "method ValidateContainerAdjustment")
+        reply = await runtime.call("Foo", b"", service="nri.pkg.api.v1alpha1.Other")
+        assert (reply.code, reply.message) == (12, "service nri.pkg.api.v1alpha1.Other")
+        # a per-event method of NRI 0.12 the plugin has no handler for: UNIMPLEMENTED too,
+        # so the runtime falls back to StateChange
+        reply = await runtime.call("StartContainer", req())
+        assert reply.code == 12
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_state_change_and_per_event_methods_reach_handlers(tmp_path):
+    async def test(path):
+        runtime, stub, plugin, task = await connected(path)
+        event = pb.StateChangeEvent(event=11, pod=req().pod, container=req(cid="gone").container)
+        assert (await runtime.call("StateChange", event)).code == 0
+        assert (await runtime.call("RemoveContainer", req(cid="gone2"))).code == 0
+        pod_event = pb.StateChangeEvent(event=3, pod=pb.PodSandbox(id="pod9"))
+        assert (await runtime.call("StateChange", pod_event)).code == 0
+        unsubscribed = pb.StateChangeEvent(event=6, pod=req().pod, container=req().container)
+        assert (await runtime.call("StateChange", unsubscribed)).code == 0
+        assert plugin.seen[-3:] == [("remove", "gone"), ("remove", "gone2"), ("remove-pod", "pod9")]
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_split_synchronize_is_accumulated(tmp_path):
+    async def test(path):
+        runtime, stub, plugin, task = await connected(path)
+        pods = [pb.PodSandbox(id=f"p{i}") for i in range(4)]
+        containers = [pb.Container(id=f"c{i}", pod_sandbox_id="p0") for i in range(10)]
+        response = await runtime.synchronize(pods, containers, chunk=3)
+        assert plugin.seen[-1] == ("synchronize", 4, 10)
+        assert [u.container_id for u in response.update] == ["c0"]
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_slow_handler_gets_an_error_before_the_runtime_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(stub_module, "DEADLINE_SHARE", 0.1)  # 2 s * 0.1 = 0.2 s budget
+
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stop = pb.StopContainerRequest(pod=req().pod, container=req(name="slow").container)
+        reply = await runtime.call("StopContainer", stop)
+        assert reply.code == 4 and "did not finish within 0.20s" in reply.message
+        assert loop.time() - started < 1.0
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_unsolicited_update_is_refused_inside_handler_and_sent_after(tmp_path):
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        stop = pb.StopContainerRequest(pod=req().pod, container=req(name="greedy").container)
+        reply = await runtime.call("StopContainer", stop)
+        assert reply.code == 2 and "would deadlock" in reply.message
+        update = pb.ContainerUpdate(container_id="x")
+        update.linux.resources.cpu.cpus = "0-1"
+        assert await stub.update_containers([update]) == []
+        done = asyncio.get_running_loop().create_future()
+        stub.schedule_update_containers([update], done.set_result)
+        assert await asyncio.wait_for(done, 5) == []
+        assert [r.update[0].container_id for r in runtime.update_requests] == ["x", "x"]
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_daemon_reconnects_and_resynchronizes(tmp_path):
+    async def test(path):
+        runtime, stub, plugin, task = await connected(path)
+        runtime.drop_connection()
+        await asyncio.wait_for(runtime.disconnected.wait(), 5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while runtime.connections < 2 or not runtime.registered.is_set():
+            await asyncio.sleep(0.01)
+        assert loop.time() - started < 5
+        assert [s for s in plugin.seen if s[0] == "synchronize"] == [("synchronize", 0, 0)] * 2
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_daemon_waits_for_a_runtime_that_is_not_there_yet(tmp_path):
+    async def test(path):
+        plugin = Recorder()
+        stub = Stub(plugin, "cpuplugin", "50", socket_path=str(path))
+        task = asyncio.create_task(stub.run())
+        await asyncio.sleep(0.3)  # nothing listens yet: the stub keeps retrying
+        runtime = FakeRuntime(path)
+        await runtime.start()
+        await asyncio.wait_for(stub.connected.wait(), 5)
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_launched_mode_serves_the_inherited_socket_and_exits_when_it_closes(tmp_path):
+    async def test(path):
+        ours, theirs = socket.socketpair()
+        runtime = FakeRuntime(path)
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        session = asyncio.create_task(runtime._accept(reader, writer))
+        plugin = Recorder()
+        stub = Stub(plugin, "cpuplugin", "50", launched_fd=ours.detach())
+        task = asyncio.create_task(stub.run())
+        await asyncio.wait_for(runtime.registered.wait(), 5)
+        writer.close()  # the runtime goes away
+        await asyncio.wait_for(task, 5)  # ... and the launched plugin is done
+        session.cancel()
+
+    run(test, tmp_path)
+
+
+def test_from_environment_adopts_the_launched_socket(monkeypatch):
+    monkeypatch.setenv("NRI_PLUGIN_SOCKET", "3")
+    monkeypatch.setenv("NRI_PLUGIN_NAME", "cpuplugin")
+    monkeypatch.setenv("NRI_PLUGIN_IDX", "10")
+    stub = Stub.from_environment(Recorder(), "ignored", "99")
+    assert (stub.launched_fd, stub.name, stub.index) == (3, "cpuplugin", "10")
+    monkeypatch.setenv("NRI_PLUGIN_SOCKET", "three")
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        Stub.from_environment(Recorder(), "x", "10")
