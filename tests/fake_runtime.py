@@ -31,7 +31,6 @@ class FakeRuntime:
         self._conn: wire.Connection | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._session: asyncio.Task | None = None
         self.disconnected = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -41,13 +40,13 @@ class FakeRuntime:
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            # The session ends by itself once the socket is closed; cancelling it instead
+            # would make asyncio's stream server log the cancellation as an error.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.disconnected.wait(), 5)
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        if self._session is not None:
-            self._session.cancel()
-            with contextlib.suppress(BaseException):
-                await self._session
         self.socket_path.unlink(missing_ok=True)
 
     def drop_connection(self) -> None:
@@ -61,7 +60,6 @@ class FakeRuntime:
         self.disconnected.clear()
         self._conn = wire.Connection(runtime=True)
         self._writer = writer
-        self._session = asyncio.current_task()
         try:
             while data := await reader.read(1 << 16):
                 for event in self._conn.receive_data(data):
