@@ -150,6 +150,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if report["state"] == "ok" else 1
 
 
+def cmd_hook(args: argparse.Namespace) -> int:
+    # Imported here, and only this: the hook runs once per container start and must start fast
+    # (no protobuf, grpc or filelock on its path; tests/test_hook_imports.py checks).
+    from . import hook
+
+    try:
+        base, flags = _settings_from_args(args)
+        settings = merge(base, flags)
+    except ConfigError as err:
+        return hook.report_failure(str(err), hook.EXIT_INPUT, "hook-config")
+    return hook.run(settings, hook.options_from_args(args), sys.stdin.buffer, sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nri-cpuplugin",
@@ -186,6 +199,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sysfs", metavar="ROOT", help="sysfs root for topology (/sys)")
     run.add_argument("--log-level", choices=LOG_LEVELS)
     run.set_defaults(func=cmd_run)
+
+    hook = commands.add_parser(
+        "hook",
+        help="OCI runtime hook for CRI-O/podman: the container state JSON on stdin",
+        description="Place (createRuntime) or release (poststop) the container whose OCI state "
+        "is on stdin, writing cgroupfs directly.  Without STAGE it is read from the state's "
+        "status (creating -> createRuntime, stopped -> poststop).",
+    )
+    hook.add_argument("stage", nargs="?", metavar="STAGE", help="createRuntime or poststop")
+    hook.add_argument("--config", metavar="FILE", help="TOML configuration")
+    hook.add_argument("--state-dir", metavar="DIR", help=f"state directory ({DEFAULT_STATE_DIR})")
+    hook.add_argument("--reserved-cpus", type=_cpulist, metavar="LIST", help="reserved CPUs")
+    hook.add_argument("--sysfs", metavar="ROOT", help="sysfs root for topology (/sys)")
+    hook.add_argument(
+        "--cgroup-root", metavar="DIR", help="cgroup mount root (/sys/fs/cgroup; v1 or v2)"
+    )
+    hook.add_argument(
+        "--lock-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="longest wait for the state lock (10); keep it well below the hook's timeout",
+    )
+    hook.set_defaults(func=cmd_hook)
 
     status = commands.add_parser("status", help="pools and assignments from the state file")
     status.add_argument("--state-dir", default=DEFAULT_STATE_DIR, metavar="DIR")

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import filelock
-
 from .cpuset import CPUSet
 from .state import NodeState, StateFormatError, decode, encode
 
@@ -99,6 +97,10 @@ class _PathLock:
     def __init__(self, lock_path: str) -> None:
         self.lock_path = lock_path
         self.mutex = threading.Lock()
+        # Imported on first use: filelock pulls in asyncio, ssl and sqlite3 (~90 ms), which the
+        # OCI hook - started once per container, taking the same flock itself - must not pay.
+        import filelock
+
         # thread_local=False: the holder may differ from the thread that created the object; the
         # mutex above guarantees only one thread touches it at a time.
         self.file_lock = filelock.FileLock(lock_path, mode=0o600, thread_local=False)
@@ -172,6 +174,8 @@ class StateStore:
             )
         try:
             remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            import filelock  # already loaded by _PathLock; only binds the name here
+
             try:
                 entry.file_lock.acquire(timeout=remaining)
             except filelock.Timeout:

@@ -1,8 +1,10 @@
-"""``./dev demo``: the foundation at work, through the real command line.
+"""``./dev demo``: the plugin pinning real containers in a private containerd.
 
-Shows this machine's topology, then what the static policy decides on it, then the same on a
-generated 128-thread EPYC-like sysfs tree.  (The NRI daemon demo with real containerd replaces
-this once the daemon exists.)
+Sets up containerd 2.1.9 and runc from Debian's archive (cached under .lab/ after the first
+run), starts ``nri-cpuplugin run`` against it, and shows from inside the containers what the
+plugin does: a Guaranteed 1-CPU container is born on its own CPU, a Burstable neighbour is
+moved off that CPU in the same step and gets it back when the Guaranteed one stops.  Tears
+everything down at the end, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -10,84 +12,99 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sysfs_gen import write_sysfs
-from topologies import NAMED
+from e2e.daemon import Daemon  # noqa: E402
+from harness.containerd import Containerd  # noqa: E402
+from harness.k8s import ContainerSpec  # noqa: E402
 
-CLI = [sys.executable, "-m", "nri_cpuplugin.cli"]
+BOLD, DIM, RESET = "\033[1m", "\033[2m", "\033[0m"
 
 
-def run(*args: str) -> str:
-    shown = " ".join(["nri-cpuplugin", *args])
-    result = subprocess.run([*CLI, *args], capture_output=True, text=True, check=False)
-    print(f"$ {shown}")
-    out = (result.stdout + result.stderr).rstrip()
-    print("  " + out.replace("\n", "\n  ") + f"\n  (exit {result.returncode})\n")
-    return result.stdout.strip()
+def say(text: str) -> None:
+    print(f"\n{BOLD}== {text}{RESET}", flush=True)
+
+
+def inside(cri, cid: str) -> str:
+    """What a process started inside the container sees: its own allowed CPUs."""
+    code, out, err = cri.exec_sync(cid, ["grep", "Cpus_allowed_list", "/proc/self/status"])
+    if code:
+        raise RuntimeError(f"exec in {cid[:12]} failed ({code}): {err.strip()}")
+    return out.strip().split()[-1]
+
+
+def show(cri, pods: dict[str, str]) -> None:
+    for label, cid in pods.items():
+        print(f"   {label:<34} Cpus_allowed_list (seen from inside): {inside(cri, cid)}")
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="nri-cpuplugin-demo-") as tmp:
-        print("== this machine ==")
-        run("topology")
-        topo_file = Path(tmp, "topology.json")
-        topo_file.write_text(_json("/sys"))
-        print(f"$ nri-cpuplugin topology --json > {topo_file.name}\n")
-        online = _online("/sys")
-        run(
-            "allocate",
-            "--topology",
-            str(topo_file),
-            "--available",
-            online,
-            "--reserved",
-            "0",
-            "--count",
-            "1",
-        )
-        run(
-            "allocate",
-            "--topology",
-            str(topo_file),
-            "--available",
-            online,
-            "--reserved",
-            "0",
-            "--count",
-            "2",
-        )
+    started = time.monotonic()
+    say("containerd 2.1.9 + runc 1.1.5 from Debian's archive, private to this demo")
+    with Containerd("2.1") as ctrd, tempfile.TemporaryDirectory() as tmp:
+        cri = ctrd.cri()
+        print(f"   containerd pid {ctrd.pid}, NRI socket {ctrd.nri_socket}")
+        say("nri-cpuplugin run --reserved-cpus 0  (CPU 0 reserved and shared, CPU 1 exclusive)")
+        daemon = Daemon(ctrd.nri_socket, Path(tmp) / "state").start()
+        try:
+            say("a Burstable pod (250m CPU)")
+            web = cri.run(
+                "web", [ContainerSpec("nginx-like", cpu_request_milli=250, memory="32Mi")]
+            )
+            show(cri, {"web/nginx-like (Burstable)": web["nginx-like"]})
 
-        print("== a generated EPYC-like socket: 64 cores / 128 threads, 4 NUMA nodes, 8-core L3 ==")
-        root = Path(tmp, "epyc")
-        write_sysfs(NAMED["epyc-1s-4numa"], root)
-        run("topology", "--sysfs", str(root))
-        everything = "0-127"
-        run("allocate", "--sysfs", str(root), "--available", everything, "--count", "16")
-        run("allocate", "--sysfs", str(root), "--available", "2-127", "--count", "16")
-        run(
-            "allocate",
-            "--sysfs",
-            str(root),
-            "--available",
-            everything,
-            "--count",
-            "3",
-            "--option",
-            "full-pcpus-only",
-        )
+            say("a Guaranteed pod with 1 CPU: pinned before its first instruction")
+            db = cri.run(
+                "db",
+                [
+                    ContainerSpec.guaranteed(
+                        "postgres-like",
+                        1,
+                        command="grep Cpus_allowed_list /proc/self/status; exec sleep infinity",
+                    )
+                ],
+            )
+            first = cri.wait_logs(db["postgres-like"], 1)[0]
+            print(f"   db/postgres-like's very first output line:  {first.split()[-1]}")
+            show(
+                cri,
+                {
+                    "db/postgres-like (Guaranteed, 1 CPU)": db["postgres-like"],
+                    "web/nginx-like (Burstable)": web["nginx-like"],
+                },
+            )
 
+            say("nri-cpuplugin status")
+            status = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "nri_cpuplugin.cli",
+                    "status",
+                    "--state-dir",
+                    str(daemon.state_dir),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            print("   " + status.stdout.strip().replace("\n", "\n   "))
 
-def _json(sysfs: str) -> str:
-    return subprocess.run(
-        [*CLI, "topology", "--sysfs", sysfs, "--json"], capture_output=True, text=True, check=True
-    ).stdout
+            say("stop the Guaranteed container: the Burstable one grows back")
+            cri.stop(db["postgres-like"])
+            show(cri, {"web/nginx-like (Burstable)": web["nginx-like"]})
 
-
-def _online(sysfs: str) -> str:
-    return Path(sysfs, "devices/system/cpu/online").read_text().strip()
+            say("audit trail (journald when present; here: JSON lines)")
+            for record in daemon.records():
+                if record["ACTION"] in ("allocate", "shared-resize", "release"):
+                    print(f"   {DIM}ACTION={record['ACTION']:<14}{RESET} {record['MESSAGE']}")
+        finally:
+            daemon.stop()
+        say("tearing down")
+    print(f"   done in {time.monotonic() - started:.1f} s; nothing left behind")
 
 
 if __name__ == "__main__":

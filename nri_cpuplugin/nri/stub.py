@@ -258,10 +258,11 @@ class Stub:
                 raise ConnectionError("the runtime closed the NRI socket")
             for event in self._conn.receive_data(data):
                 if isinstance(event, wire.RequestReceived):
-                    # Serve concurrently: Configure can arrive while RegisterPlugin waits.
-                    task = asyncio.create_task(self._serve_request(event))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    # Served right here, in the reader: the runtime sends one request at a
+                    # time, and this task is independent of whoever awaits our own calls
+                    # (so Configure is served while RegisterPlugin still waits for its reply).
+                    # No task per request: it is the latency every container creation pays.
+                    await self._serve_request(event)
                 elif isinstance(event, wire.BadRequest):
                     await self._reply(event.stream_id, b"", event.code, event.message)
                 else:
@@ -319,7 +320,8 @@ class Stub:
             budget = min(budget, request.timeout_ns / 1e9)
         token = _in_handler.set(True)
         try:
-            payload = await asyncio.wait_for(handler(request.payload), budget * DEADLINE_SHARE)
+            async with asyncio.timeout(budget * DEADLINE_SHARE):
+                payload = await handler(request.payload)
         except TimeoutError:
             await self._reply(
                 request.stream_id,

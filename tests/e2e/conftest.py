@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
-        if here in Path(item.fspath).parents:
+        if here in item.path.parents:
             item.add_marker(pytest.mark.e2e)
 
 
@@ -43,13 +43,16 @@ def lab() -> Path:
     stubs generated.  Also cleans up after earlier runs that were killed mid-test."""
     if os.geteuid() != 0:
         pytest.fail("e2e tests run containerd and need root", pytrace=False)
+    error = None
     try:
         for deb in (*VERSIONS.values(), RUNC):
             debs.unpack(deb)
         image.images_tar()
         cri_mod.stubs()
     except Exception as e:
-        pytest.fail(f"preparing the runtime lab in {debs.LAB} failed: {e}", pytrace=False)
+        error = f"preparing the runtime lab in {debs.LAB} failed: {e}"
+    if error:
+        pytest.fail(error, pytrace=False)
     if stale := reap_stale():
         pytest.fail("leftovers of an earlier run could not be removed:\n" + "\n".join(stale))
     return debs.LAB
@@ -75,8 +78,11 @@ def make_containerd(
         if start:
             try:
                 ctrd.start()
+                error = None
             except Exception as e:
-                pytest.fail(f"containerd {containerd_version} did not start: {e}", pytrace=False)
+                error = f"containerd {containerd_version} did not start: {e}"
+            if error:  # fail outside the except block: the message is the whole story
+                pytest.fail(error, pytrace=False)
         return ctrd
 
     yield make
@@ -97,13 +103,13 @@ def cri(containerd: Containerd) -> cri_mod.CRIClient:
     return containerd.cri()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
-    report = yield
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
     # A failing e2e test is much easier to read with what containerd said meanwhile.
     if report.failed:
         for ctrd in getattr(item, "_containerds", []):
             report.sections.append(
                 (f"containerd {ctrd.version} log ({ctrd.dir.name})", ctrd.log_tail(60))
             )
-    return report

@@ -54,6 +54,16 @@ def _duration(value: float | str) -> str:
     return f"{round(value * 1000)}ms"
 
 
+def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in overrides.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
 def _toml(table: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> str:
     """Just enough TOML for containerd configs: scalars, lists of scalars and nested tables."""
 
@@ -87,7 +97,8 @@ class Containerd:
     ``plugin_registration_timeout`` / ``plugin_request_timeout`` are NRI's (seconds or a Go
     duration string).  Runtime-launched NRI plugins go into :attr:`plugin_path` (executables
     named ``NN-name``) with optional configs in :attr:`plugin_config_path` (``NN-name.conf``);
-    they are started by containerd at boot.
+    containerd starts them at boot.  ``config_overrides`` is merged into :meth:`config`, e.g.
+    ``{"plugins": {"io.containerd.nri.v1.nri": {"disable_connections": True}}}``.
     """
 
     def __init__(
@@ -101,6 +112,7 @@ class Containerd:
         nri_disable_connections: bool = False,
         debug: bool = True,
         start_timeout: float = 20.0,
+        config_overrides: Mapping[str, Any] | None = None,
         token: str | None = None,
     ) -> None:
         if version not in VERSIONS:
@@ -113,6 +125,7 @@ class Containerd:
         self.nri_disable_connections = nri_disable_connections
         self.debug = debug
         self.start_timeout = start_timeout
+        self.config_overrides = dict(config_overrides or {})
         self.token = token or secrets.token_hex(4)
         self.dir = self.lab / "run" / f"containerd-{version}-{self.token}"
         self.top_cgroup = f"/nri-e2e-{self.token}"
@@ -199,6 +212,9 @@ class Containerd:
 
     def config(self) -> dict[str, Any]:
         """The containerd configuration as a dict (written as TOML by :meth:`start`)."""
+        return _merge(self._base_config(), self.config_overrides)
+
+    def _base_config(self) -> dict[str, Any]:
         d = self.dir
         runc = {
             "runtime_type": "io.containerd.runc.v2",
@@ -207,6 +223,7 @@ class Containerd:
         common = {
             "root": d / "root",
             "state": d / "state",
+            "temp": d / "tmp",  # default: the system temp dir
             "grpc": {"address": self.address},
             "ttrpc": {"address": f"{self.address}.ttrpc"},
             "debug": {"level": "debug" if self.debug else "info"},
@@ -244,7 +261,6 @@ class Containerd:
         return {
             "version": 3,
             **common,
-            "temp": d / "tmp",
             "disabled_plugins": [
                 f"io.containerd.snapshotter.v1.{s}" for s in ("btrfs", "zfs", "devmapper", "erofs")
             ]
@@ -415,6 +431,8 @@ class Containerd:
                 text = self._last_log[-lines:]
             else:
                 return f"(no containerd log at {self.log_path})"
+        # Debug lines dump whole OCI specs; the head of each line is what a reader needs.
+        text = [line if len(line) <= 1000 else line[:1000] + " [...]" for line in text]
         return f"--- last {len(text)} lines of {self.log_path} ---\n" + "\n".join(text)
 
     def cgroup_dir(self, cgroup_path: str, controller: str = "cpuset") -> Path:
@@ -425,7 +443,11 @@ class Containerd:
 
     def __enter__(self) -> Containerd:
         if not self.running:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self.teardown()  # __exit__ does not run when __enter__ raises
+                raise
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -436,6 +458,13 @@ class Containerd:
     def teardown(self, timeout: float = 10.0) -> list[str]:
         """Remove everything this instance created; returns what could not be removed (empty
         when clean).  Safe to call more than once and with containerd dead or wedged."""
+        # Everything running now must be gone when we return - including processes that exit
+        # on their own meanwhile (shims after their last task), which lose their argv while
+        # exiting and could not be recognised any more.
+        tracked = {
+            pid: host.start_time(pid)
+            for pid in _instance_pids(self.dir, self.socket_dir, self.top_cgroup)
+        }
         if self.running and self._cri is not None:
             with contextlib.suppress(Exception):
                 self._cri.remove_all()
@@ -445,6 +474,15 @@ class Containerd:
         with contextlib.suppress(OSError):
             self._last_log = self.log_path.read_text(errors="replace").splitlines()[-200:]
         _cleanup(self.dir, self.socket_dir, self.top_cgroup, timeout)
+        self._images_imported = False  # a later start() begins with an empty root again
+        deadline = time.monotonic() + timeout
+        while alive := [p for p, t in tracked.items() if host.is_alive(p, t)]:
+            if time.monotonic() > deadline:
+                return [*self.leftovers(), *(f"process {p} did not exit" for p in alive)]
+            for pid in alive:  # same pid and start time: still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         return self.leftovers()
 
     def leftovers(self) -> list[str]:
@@ -519,39 +557,28 @@ def _describe(pid: int) -> str:
     return host.cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()[:300]
 
 
-def _unix_sockets_of(pid: int) -> list[str]:
-    """Filesystem paths of the unix sockets ``pid`` holds open."""
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    paths = []
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
-            parts = line.split()
-            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
-                paths.append(parts[7])
-    return paths
-
-
 def _kill_instance_processes(inst: Path, socket_dir: Path, top: str, timeout: float) -> None:
     """SIGKILL (by pid) until none is left; processes may fork or exit meanwhile, so rescan."""
     deadline = time.monotonic() + timeout
     sockets: set[str] = set()
+    killed: dict[int, int | None] = {}
     while pids := _instance_pids(inst, socket_dir, top):
         for pid in pids:
             if b"containerd-shim" in host.cmdline(pid):
                 # A SIGKILLed shim leaves its socket in /run/containerd/s; note it first.
                 sockets.update(
-                    s for s in _unix_sockets_of(pid) if host.is_under(s, _SHIM_SOCKET_DIR)
+                    s for s in host.unix_socket_paths(pid) if host.is_under(s, _SHIM_SOCKET_DIR)
                 )
+            killed.setdefault(pid, host.start_time(pid))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if time.monotonic() > deadline:
             break
+        time.sleep(0.05)
+    # A killed process leaves its cgroup and loses its argv before it is really gone: a pid
+    # namespace's init, for one, lingers until every member is reaped, and members whose shim
+    # died are reaped by PID 1 at its own pace.  Wait, so that "gone" means gone.
+    while any(host.is_alive(p, t) for p, t in killed.items()) and time.monotonic() < deadline:
         time.sleep(0.05)
     for path in sockets:
         with contextlib.suppress(OSError):
@@ -599,11 +626,20 @@ def _cleanup(inst: Path, socket_dir: Path, top: str, timeout: float) -> None:
         if d.exists() and not host.mounts_under(d):  # never rmtree through a mount
             shutil.rmtree(d, ignore_errors=True)
     # containerd always creates /run/containerd/s for shim sockets.  Remove the directories once
-    # empty, but not while another harness instance (a parallel worker) may be using them.
-    if not any(inst.parent.glob("containerd-*")):
+    # empty, but not while any other containerd (another harness instance, maybe with another
+    # lab directory) could be about to put a socket there.
+    if not any(inst.parent.glob("containerd-*")) and not _any_containerd_running():
         for d in (_SHIM_SOCKET_DIR, _SHIM_SOCKET_DIR.parent):
             with contextlib.suppress(OSError):
                 d.rmdir()  # only succeeds when empty: a host containerd's files stay
+
+
+def _any_containerd_running() -> bool:
+    for pid in host.pids():
+        argv0 = host.cmdline(pid).split(b"\0", 1)[0]
+        if os.path.basename(argv0).startswith(b"containerd"):
+            return True
+    return False
 
 
 def _leftovers(inst: Path, socket_dir: Path, top: str) -> list[str]:

@@ -5,16 +5,14 @@ CRI ``api.proto`` in Debian's cri-api package, so requests are exactly what kube
 the wire.  The proto imports gogoproto only for Go code-generation options; those lines are
 dropped before compiling.
 
-Tests describe workloads with :class:`PodSpec` / :class:`ContainerSpec` in Kubernetes terms
-(QoS class, millicores, memory quantities); :class:`CRIClient` turns them into the CRI values
-kubelet would compute (cpu shares, CFS quota, cgroup parent per QoS class, kubelet labels and
-annotations, OOM score).  Pods use the host network (no CNI) and a private PID namespace per
-container.
+Tests describe workloads with :class:`PodSpec` / :class:`ContainerSpec` (``k8s.py``, re-exported
+here) in Kubernetes terms; :class:`CRIClient` turns them into the CRI requests kubelet would send
+(cpu shares, CFS quota, cgroup parent per QoS class, kubelet labels and annotations, OOM score).
+Pods use the host network (no CNI) and one PID namespace per container unless shared.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import importlib
 import importlib.metadata
@@ -24,31 +22,51 @@ import re
 import shutil
 import sys
 import time
-import uuid
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, NamedTuple
 
 from . import debs
-from .image import BUSYBOX_IMAGE
+from .k8s import (
+    BESTEFFORT,
+    BURSTABLE,
+    CFS_PERIOD_US,
+    GUARANTEED,
+    ContainerSpec,
+    PodSpec,
+    memory_bytes,
+    milli_to_quota,
+    milli_to_shares,
+    oom_score_adj,
+    qos_class,
+    qos_from_cgroup_parent,
+)
 from .packages import CRI_API
 
-GUARANTEED = "guaranteed"
-BURSTABLE = "burstable"
-BESTEFFORT = "besteffort"
-QOS_CLASSES = (GUARANTEED, BURSTABLE, BESTEFFORT)
-CONTAINER_KINDS = ("app", "init", "sidecar")
-
-# kubelet constants (pkg/kubelet/cm/helpers_linux.go, pkg/kubelet/qos/policy.go)
-SHARES_PER_CPU = 1024
-MIN_SHARES = 2
-CFS_PERIOD_US = 100_000
-MIN_QUOTA_US = 1_000
-OOM_GUARANTEED = -997
-OOM_BESTEFFORT = 1000
+# Re-exported: tests import the workload types together with the client.
+__all__ = [
+    "BESTEFFORT",
+    "BURSTABLE",
+    "GUARANTEED",
+    "CRIClient",
+    "CRIError",
+    "ContainerRef",
+    "ContainerSpec",
+    "Inspect",
+    "PodRef",
+    "PodSpec",
+    "RunningPod",
+    "memory_bytes",
+    "milli_to_quota",
+    "milli_to_shares",
+    "parse_cri_log",
+    "qos_class",
+    "stubs",
+]
 
 _PROTO = "usr/share/gocode/src/k8s.io/cri-api/pkg/apis/runtime/v1/api.proto"
 # The generated modules live in a package with an unmistakable name: the gRPC module imports
@@ -131,166 +149,6 @@ def _generate(lab: Path) -> Path:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Kubernetes-shaped workload descriptions
-
-_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_UNITS |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def memory_bytes(quantity: int | str | None) -> int | None:
-    """``"64Mi"`` -> 67108864; ints are bytes already; None stays None."""
-    if quantity is None or isinstance(quantity, int):
-        return quantity
-    match = _QUANTITY.match(quantity.strip())
-    if not match:
-        raise ValueError(f"memory quantity {quantity!r}: expected e.g. 67108864, '64Mi', '1G'")
-    return int(match.group(1)) * _UNITS[match.group(2)]
-
-
-def milli_to_shares(milli: int) -> int:
-    """kubelet's MilliCPUToShares: floor(m * 1024 / 1000), never below 2."""
-    return max(milli * SHARES_PER_CPU // 1000, MIN_SHARES)
-
-
-def milli_to_quota(milli: int | None) -> int:
-    """kubelet's MilliCPUToQuota for a 100 ms period; 0 (no quota) without a limit."""
-    if not milli:
-        return 0
-    return max(milli * CFS_PERIOD_US // 1000, MIN_QUOTA_US)
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """One container as a pod spec would declare it.
-
-    As in Kubernetes, an unset request defaults to the limit.  ``kind`` says how kubelet would
-    run it (``init`` runs to completion before the others; ``sidecar`` is a restartable init
-    container) - the runtime itself is not told, exactly as with a real kubelet.
-    ``cpuset_cpus`` is what kubelet's static CPU manager would put in the request; leave it
-    empty for ``cpuManagerPolicy: none``.
-    """
-
-    name: str
-    command: Sequence[str] | str = ("sleep", "infinity")
-    cpu_request_milli: int | None = None
-    cpu_limit_milli: int | None = None
-    memory: int | str | None = None
-    memory_request: int | str | None = None
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)
-    kind: str = "app"
-    image: str = BUSYBOX_IMAGE
-    cpuset_cpus: str = ""
-    cpuset_mems: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in CONTAINER_KINDS:
-            raise ValueError(f"container kind {self.kind!r}: expected one of {CONTAINER_KINDS}")
-        for name in ("annotations", "labels", "env"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
-
-    @classmethod
-    def guaranteed(
-        cls, name: str, cpus: float, memory: int | str = "64Mi", **kwargs: Any
-    ) -> ContainerSpec:
-        """Requests == limits, as a Guaranteed pod's container needs (``cpus`` may be 0.5)."""
-        milli = round(cpus * 1000)
-        return cls(name, cpu_limit_milli=milli, memory=memory, **kwargs)
-
-    @property
-    def argv(self) -> list[str]:
-        if isinstance(self.command, str):
-            return ["/bin/sh", "-c", self.command]
-        return list(self.command)
-
-    @property
-    def cpu_request(self) -> int:
-        if self.cpu_request_milli is not None:
-            return self.cpu_request_milli
-        return self.cpu_limit_milli or 0
-
-    @property
-    def memory_limit(self) -> int | None:
-        return memory_bytes(self.memory)
-
-    @property
-    def memory_req(self) -> int:
-        request = memory_bytes(self.memory_request)
-        return request if request is not None else (self.memory_limit or 0)
-
-
-def qos_class(containers: Iterable[ContainerSpec]) -> str:
-    """Kubernetes' GetPodQOS over cpu and memory of all containers (init ones included)."""
-    containers = list(containers)
-    any_set = guaranteed = False
-    guaranteed = bool(containers)
-    for c in containers:
-        cpu_limit, mem_limit = c.cpu_limit_milli, c.memory_limit
-        if c.cpu_request or cpu_limit or c.memory_req or mem_limit:
-            any_set = True
-        if not (
-            cpu_limit and mem_limit and c.cpu_request == cpu_limit and c.memory_req == mem_limit
-        ):
-            guaranteed = False
-    if not any_set:
-        return BESTEFFORT
-    return GUARANTEED if guaranteed else BURSTABLE
-
-
-@dataclass(frozen=True)
-class PodSpec:
-    """A pod: identity, QoS class and (optionally) the pod-level resources kubelet sends.
-
-    ``qos=None`` derives the class from the pod-level resources.  Use :meth:`for_containers`
-    to derive QoS and pod resources from the containers, as kubelet does.
-    """
-
-    name: str
-    qos: str | None = None
-    namespace: str = "default"
-    uid: str = field(default_factory=lambda: str(uuid.uuid4()))
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
-    cpu_request_milli: int | None = None
-    cpu_limit_milli: int | None = None
-    memory: int | str | None = None
-
-    def __post_init__(self) -> None:
-        if self.qos is None:
-            as_one = ContainerSpec(
-                "pod", cpu_request_milli=self.cpu_request_milli,
-                cpu_limit_milli=self.cpu_limit_milli, memory=self.memory,
-            )  # fmt: skip
-            object.__setattr__(self, "qos", qos_class([as_one]))
-        if self.qos not in QOS_CLASSES:
-            raise ValueError(f"QoS class {self.qos!r}: expected one of {QOS_CLASSES}")
-        for name in ("annotations", "labels"):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
-
-    @classmethod
-    def for_containers(
-        cls, name: str, containers: Sequence[ContainerSpec], **kwargs: Any
-    ) -> PodSpec:
-        """QoS class and pod-level resources computed from the containers like kubelet does:
-        requests = max(sum over app+sidecar, any init); limits only if every container has one."""
-        regular = [c for c in containers if c.kind != "init"]
-        inits = [c for c in containers if c.kind == "init"]
-        cpu_req = max([sum(c.cpu_request for c in regular), *(c.cpu_request for c in inits)])
-        cpu_limits = [c.cpu_limit_milli for c in containers]
-        mem_limits = [c.memory_limit for c in containers]
-        kwargs.setdefault("qos", qos_class(containers))
-        return cls(
-            name,
-            cpu_request_milli=cpu_req,
-            cpu_limit_milli=sum(x for x in cpu_limits if x) if all(cpu_limits) else None,
-            memory=sum(x for x in mem_limits if x) if all(mem_limits) else None,
-            **kwargs,
-        )
-
-
 class Inspect(NamedTuple):
     """What ``ContainerStatus(verbose)`` says about the live container: its init pid and the
     OCI runtime spec it was created with (after NRI adjustments, unlike ``status.resources``)."""
@@ -330,26 +188,6 @@ class RunningPod:
 
     def __getitem__(self, name: str) -> str:
         return self.containers[name]
-
-
-def _mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
-
-
-def oom_score_adj(qos: str, memory_request: int) -> int:
-    """kubelet's GetContainerOOMScoreAdjust.  (containerd clamps it with
-    ``restrict_oom_score_adj``; it is sent anyway so requests look like kubelet's.)"""
-    if qos == GUARANTEED:
-        return OOM_GUARANTEED
-    if qos == BESTEFFORT:
-        return OOM_BESTEFFORT
-    adj = 1000 - (1000 * memory_request) // _mem_total()
-    if adj < 1000 + OOM_GUARANTEED:
-        return 1000 + OOM_GUARANTEED
-    return min(adj, OOM_BESTEFFORT - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,9 +292,7 @@ class CRIClient:
         linux = pb.LinuxPodSandboxConfig(
             cgroup_parent=self.cgroup_parent(spec),
             security_context=pb.LinuxSandboxSecurityContext(
-                # Host network: no CNI needed.  Per-container PID namespaces like kubelet's
-                # default.  No hostname: the host UTS namespace cannot take one.
-                namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD)
+                namespace_options=self._namespaces(spec.share_process_namespace)
             ),
         )
         if spec.cpu_request_milli or spec.cpu_limit_milli or spec.memory:
@@ -482,6 +318,14 @@ class CRIClient:
         r = self.call("RunPodSandbox", pb.RunPodSandboxRequest(config=config))
         self._pods[r.pod_sandbox_id] = config
         return r.pod_sandbox_id
+
+    def _namespaces(self, share_process_namespace: bool) -> Any:
+        """kubelet's namespacesForPod, sent for the sandbox and again for every container (an
+        unset container value would mean POD for all three).  Host network: no CNI needed, and
+        no hostname, which the host UTS namespace cannot take."""
+        pb = self.pb
+        pid = pb.POD if share_process_namespace else pb.CONTAINER
+        return pb.NamespaceOption(network=pb.NODE, pid=pid, ipc=pb.POD)
 
     def stop_pod(self, pod_id: str) -> None:
         self.call("StopPodSandbox", self.pb.StopPodSandboxRequest(pod_sandbox_id=pod_id))
@@ -531,9 +375,9 @@ class CRIClient:
         pb = self.pb
         pod_config = self._pod_config(pod_id)
         meta = pod_config.metadata
-        qos = _qos_of(pod_config.linux.cgroup_parent)
-        resources = self._resources(spec.cpu_request, spec.cpu_limit_milli, spec.memory_limit)
-        resources.oom_score_adj = oom_score_adj(qos, spec.memory_req)
+        qos = qos_from_cgroup_parent(pod_config.linux.cgroup_parent)
+        resources = self._resources(spec.cpu_request, spec.cpu_limit_milli, spec.memory_limit_bytes)
+        resources.oom_score_adj = oom_score_adj(qos, spec.memory_request_bytes)
         resources.cpuset_cpus, resources.cpuset_mems = spec.cpuset_cpus, spec.cpuset_mems
         (Path(pod_config.log_directory) / spec.name).mkdir(parents=True, exist_ok=True)
         config = pb.ContainerConfig(
@@ -557,7 +401,14 @@ class CRIClient:
                 **spec.annotations,
             },
             log_path=f"{spec.name}/0.log",
-            linux=pb.LinuxContainerConfig(resources=resources),
+            linux=pb.LinuxContainerConfig(
+                resources=resources,
+                security_context=pb.LinuxContainerSecurityContext(
+                    namespace_options=self._namespaces(
+                        pod_config.linux.security_context.namespace_options.pid == pb.POD
+                    )
+                ),
+            ),
         )
         r = self.call(
             "CreateContainer",
@@ -752,28 +603,37 @@ class CRIClient:
                     )
         return RunningPod(pod_id, spec, MappingProxyType(ids))
 
-    def remove_all(self, *, stop_timeout: int = 0) -> list[str]:
-        """Stop and remove every container and pod (teardown); returns the errors met."""
-        errors = []
-        for c in self._safe(self.containers, errors) or []:
-            with _collect(errors):
-                self.stop(c.id, timeout=stop_timeout)
-            with _collect(errors):
-                self.remove(c.id)
-        for p in self._safe(self.pods, errors) or []:
-            with _collect(errors):
-                self.stop_pod(p.id)
-            with _collect(errors):
-                self.remove_pod(p.id)
+    def remove_all(self, *, stop_timeout: int = 0, budget: float = 20.0) -> list[str]:
+        """Stop and remove every container and pod (teardown); returns the errors met.  Gives
+        up after ``budget`` seconds or when the runtime stops answering: whoever tears down
+        must be able to fall back to killing processes instead of hanging here."""
+        errors: list[str] = []
+        deadline = time.monotonic() + budget
+        saved, self.timeout = self.timeout, min(self.timeout, 5.0)
+        try:
+            steps: list[Callable[[], Any]] = []
+            try:
+                for c in self.containers():
+                    steps += [partial(self.stop, c.id, stop_timeout), partial(self.remove, c.id)]
+                for pod in self.pods():
+                    steps += [partial(self.stop_pod, pod.id), partial(self.remove_pod, pod.id)]
+            except CRIError as e:
+                return [str(e)]  # not answering: leave it to process-level clean-up
+            for step in steps:
+                if time.monotonic() > deadline:
+                    errors.append(f"CRI clean-up gave up after {budget} s")
+                    break
+                try:
+                    step()
+                except CRIError as e:
+                    errors.append(str(e))
+                    if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                        break
+        finally:
+            self.timeout = saved
         return errors
 
     # -- internals -----------------------------------------------------------------------
-
-    @staticmethod
-    def _safe(fn: Callable[[], Any], errors: list[str]) -> Any:
-        with _collect(errors):
-            return fn()
-        return None
 
     def _resources(self, request_milli: int, limit_milli: int | None, memory: int | None) -> Any:
         """LinuxContainerResources as kubelet computes them (period is always sent here; a zero
@@ -801,27 +661,6 @@ class CRIClient:
         )
         self._pods[pod_id] = message
         return message
-
-
-def _qos_of(cgroup_parent: str) -> str:
-    if f"/{BESTEFFORT}/" in cgroup_parent:
-        return BESTEFFORT
-    if f"/{BURSTABLE}/" in cgroup_parent:
-        return BURSTABLE
-    return GUARANTEED
-
-
-class _collect(contextlib.AbstractContextManager):
-    """Record an exception's text instead of raising it (best-effort teardown steps)."""
-
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = errors
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is not None and isinstance(exc, Exception):
-            self.errors.append(str(exc))
-            return True
-        return False
 
 
 _LOG_LINE = re.compile(r"^(\S+) (stdout|stderr) ([PF]) ?(.*)$")

@@ -6,6 +6,8 @@ read what the kernel actually applied, which is what the tests must check.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 from pathlib import Path
 
@@ -132,6 +134,24 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def unix_socket_paths(pid: int) -> list[str]:
+    """Filesystem paths of the listening or connected unix sockets ``pid`` holds open."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    paths = []
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
+                paths.append(parts[7])
+    return sorted(set(paths))
 
 
 def pids() -> list[int]:

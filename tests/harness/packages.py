@@ -56,3 +56,40 @@ CRI_API = Deb(
     "634610347b36362eb4614eb98c494cb9363d5d873da99806ba2b181460a93b20",
     arch="all",
 )
+
+# podman 4.3.1 from bookworm, run from `dpkg -x` (tests/harness/podman.py): the same
+# containers/common hooks.d code CRI-O uses, with bookworm's runc (crun 1.8.1 refuses this
+# host's hybrid cgroup layout).  patchelf points the extracted binaries at the extracted
+# libraries (conmon starts podman's cleanup with a scrubbed environment).
+PODMAN = Deb(
+    "podman",
+    "4.3.1+ds1-8+deb12u1+b3",
+    "881ab556a1df5b911359c83a647597eb36c156a8615e754436e520a6ae0661ab",
+)
+CONMON = Deb(
+    "conmon", "2.1.6+ds1-1", "2d4111853199dd8c7cbcda3da04f37d9b7f3a7b08dc1cee546a1e5518de8a596"
+)
+CONTAINERS_COMMON = Deb(
+    "golang-github-containers-common",
+    "0.50.1+ds1-4",
+    "39d5c31902c4ce55bd419286946d0b291383169585f1b3509000f6bf57454181",
+    arch="all",
+)
+CONTAINERS_IMAGE = Deb(
+    "golang-github-containers-image",
+    "5.23.1-4",
+    "2dc5697a30ae8de43221eeb7aa553d5187dbf97392d299ecb27ef51e46d159ca",
+    arch="all",
+)
+LIBGPGME = Deb(
+    "libgpgme11", "1.18.0-3+b1", "dc075584050dc5c8ac27563fc222e8c1ea71128a019a6d129d5823e47ac1e55e"
+)
+LIBSUBID = Deb(
+    "libsubid4",
+    "1:4.13+dfsg1-1+deb12u2",
+    "5c1c214484e57bcfaff4136e6cdbe4e8108776c7159ce7c9087218896a5eb12d",
+)
+PATCHELF = Deb(
+    "patchelf", "0.14.3-1+b1", "0364b90e81faabbb9569076063952c7bcbf07f83d954a2f2602a163d65be60e6"
+)
+PODMAN_STACK = (PODMAN, CONMON, CONTAINERS_COMMON, CONTAINERS_IMAGE, LIBGPGME, LIBSUBID)

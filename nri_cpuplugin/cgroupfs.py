@@ -1,0 +1,454 @@
+"""cgroup v1 and v2 cpuset / CFS-quota writers for the OCI hook (the NRI path never writes here:
+the runtime applies its adjustments).
+
+Why it is built this way (docs/oci-hooks-and-cgroups.md §3.4, §3.5, §8):
+
+* Confinement.  Every file is opened relative to a directory descriptor of the hierarchy's
+  mount root, one path component at a time, with ``O_NOFOLLOW``: a path from outside (the
+  runtime's state, /proc/<pid>/cgroup, a record file) cannot reach anything outside the mount,
+  neither by ``..`` (rejected before any I/O) nor by a symbolic link (cgroupfs has none; a
+  link in a look-alike tree makes the open fail).  Files are never created.
+* Ordering.  cgroup v1 enforces child ⊆ parent at write time (EACCES) and refuses to shrink a
+  parent below a child (EBUSY), so sets grow top-down and shrink bottom-up, and ``cpuset.mems``
+  is written before ``cpuset.cpus``.  cgroup v2 accepts any write and silently falls back to the
+  parent's CPUs when nothing overlaps, so every write is verified by reading
+  ``cpuset.cpus.effective`` / ``cpuset.mems.effective`` back.
+* All or nothing.  Writes go through a :class:`Transaction` that remembers each file's previous
+  content; if a later write fails, the earlier ones are undone in reverse order, so a failed
+  hook does not leave a half-moved node behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from typing import NamedTuple
+
+from .cpuset import CPUSet
+
+DEFAULT_ROOT = "/sys/fs/cgroup"
+V1, V2 = 1, 2
+# PATH_MAX and NAME_MAX: anything longer is not a cgroup path the kernel could have made.
+MAX_PATH = 4096
+MAX_COMPONENT = 255
+# cgroup files we read are tiny (cpulists, "max 100000", pid lists are the largest); a
+# populated check only needs the first byte.
+MAX_READ = 1 << 20
+# Nested cgroups below a container (crun's sub-cgroup, a container managing its own) are a
+# few levels at most; the bound keeps a hostile tree from making us walk forever.
+MAX_DEPTH = 16
+
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class CgroupError(Exception):
+    """A cgroup could not be found, read or written; the message names the file and why."""
+
+
+def split_path(path: object) -> tuple[str, ...]:
+    """Components of an absolute cgroup path (``/a/b`` -> ``("a", "b")``), validated.
+
+    Raises CgroupError for anything the kernel would not print in /proc/<pid>/cgroup: not a
+    string, relative, NUL bytes, ``.``/``..`` components, over-long paths or names.
+    """
+    if not isinstance(path, str):
+        raise CgroupError(f"cgroup path must be a string, got {type(path).__name__}")
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    if len(path) > MAX_PATH:
+        raise CgroupError(f"cgroup path {shown!r} is longer than {MAX_PATH} characters")
+    if "\0" in path:
+        raise CgroupError(f"cgroup path {shown!r} contains a NUL byte")
+    if not path.startswith("/"):
+        raise CgroupError(f"cgroup path {shown!r} is not absolute")
+    parts = tuple(part for part in path.split("/") if part)
+    for part in parts:
+        if part in (".", ".."):
+            raise CgroupError(f"cgroup path {shown!r} contains a {part!r} component")
+        if len(part) > MAX_COMPONENT:
+            raise CgroupError(f"cgroup path {shown!r} has a component over {MAX_COMPONENT} bytes")
+    return parts
+
+
+def join(parts: tuple[str, ...]) -> str:
+    return "/" + "/".join(parts)
+
+
+class Layout(NamedTuple):
+    """Where the hierarchies that matter to us are mounted."""
+
+    version: int
+    cpuset_root: str  # mount point of the cpuset hierarchy (v2: the unified one)
+    cpu_root: str | None  # v1 hierarchy of the cpu controller (CFS quota); v2: as cpuset_root
+
+    @property
+    def controller_lines(self) -> tuple[str, str]:
+        """Which /proc/<pid>/cgroup lines name the cpuset and cpu cgroups."""
+        return ("", "") if self.version == V2 else ("cpuset", "cpu")
+
+
+def detect(root: str = DEFAULT_ROOT) -> Layout:
+    """cgroup v2 if ``root`` is a unified mount (it has ``cgroup.controllers``); otherwise v1
+    with ``root/cpuset`` and ``root/cpu`` (often a link to ``cpu,cpuacct``; followed here once,
+    because the root itself is configuration, not input)."""
+    real = os.path.realpath(root)
+    if os.path.isfile(os.path.join(real, "cgroup.controllers")):
+        if not os.path.isfile(os.path.join(real, "cgroup.subtree_control")):
+            raise CgroupError(f"{root} looks like cgroup v2 but has no cgroup.subtree_control")
+        return Layout(V2, real, real)
+    cpuset = os.path.realpath(os.path.join(real, "cpuset"))
+    if not os.path.isfile(os.path.join(cpuset, "cpuset.cpus")):
+        raise CgroupError(
+            f"no cpuset controller under {root}: neither a cgroup v2 mount (cgroup.controllers) "
+            f"nor a v1 cpuset hierarchy ({root}/cpuset/cpuset.cpus); pass --cgroup-root"
+        )
+    cpu = os.path.realpath(os.path.join(real, "cpu"))
+    return Layout(
+        V1, cpuset, cpu if os.path.isfile(os.path.join(cpu, "cpu.cfs_quota_us")) else None
+    )
+
+
+class ContainerCgroups(NamedTuple):
+    """The cgroups of one container, as paths relative to their hierarchy's mount."""
+
+    cpuset: str
+    cpu: str | None
+
+
+def parse_proc_cgroup(text: str, layout: Layout) -> ContainerCgroups:
+    """The cpuset (and cpu) cgroup paths from /proc/<pid>/cgroup content.
+
+    Lines are ``hierarchy-id:controller-list:path``; v2 has the single line ``0::path``, v1 one
+    line per hierarchy (``7:cpuset:/...``, ``4:cpu,cpuacct:/...``)."""
+    cpuset_key, cpu_key = layout.controller_lines
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if layout.version == V2:
+            if fields[0] == "0" and controllers == "":
+                found[""] = path
+            continue
+        for name in controllers.split(","):
+            found.setdefault(name, path)
+    if cpuset_key not in found:
+        wanted = "the cgroup v2 line (0::)" if layout.version == V2 else "a cpuset line"
+        raise CgroupError(f"/proc/<pid>/cgroup has no {wanted}")
+    cpuset = found[cpuset_key]
+    split_path(cpuset)
+    cpu = found.get(cpu_key) if layout.cpu_root is not None else None
+    if cpu is not None:
+        split_path(cpu)
+    return ContainerCgroups(cpuset, cpu)
+
+
+def read_proc_cgroup(pid: int, layout: Layout, proc: str = "/proc") -> ContainerCgroups:
+    """The container's cgroups, found from its process (not from ``linux.cgroupsPath``: the
+    systemd driver and crun's sub-cgroup make that notation differ from the real path)."""
+    if type(pid) is not int or pid <= 0:
+        raise CgroupError(f"invalid pid {pid!r}")
+    path = f"{proc}/{pid}/cgroup"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_READ + 1)
+    except FileNotFoundError:
+        raise CgroupError(f"process {pid} does not exist (no {path})") from None
+    except OSError as err:
+        raise CgroupError(f"cannot read {path}: {err.strerror}") from None
+    if len(data) > MAX_READ:
+        raise CgroupError(f"{path} is larger than {MAX_READ} bytes")
+    return parse_proc_cgroup(data.decode("utf-8", "surrogateescape"), layout)
+
+
+class CgroupFS:
+    """Confined reads and writes below the mounts of one Layout.
+
+    Directory descriptors are cached for the object's lifetime (one hook run): a cgroup that is
+    removed meanwhile makes later opens fail with ENOENT, which is what we want to see."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._dirs: dict[tuple[str, tuple[str, ...]], int] = {}
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._dirs.clear()
+
+    def __enter__(self) -> CgroupFS:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def root(self, controller: str) -> str:
+        if controller == "cpu":
+            if self.layout.cpu_root is None:
+                raise CgroupError("no cgroup hierarchy with the cpu controller is mounted")
+            return self.layout.cpu_root
+        return self.layout.cpuset_root
+
+    def _dir(self, root: str, parts: tuple[str, ...]) -> int:
+        key = (root, parts)
+        fd = self._dirs.get(key)
+        if fd is not None:
+            return fd
+        if parts:
+            parent = self._dir(root, parts[:-1])
+            try:
+                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+            except OSError as err:
+                where = os.path.join(root, *parts)
+                if err.errno == errno.ENOTDIR:
+                    raise CgroupError(
+                        f"{where} is not a directory (or is a symbolic link)"
+                    ) from None
+                if err.errno == errno.ELOOP:
+                    raise CgroupError(
+                        f"{where} is a symbolic link; refusing to follow it"
+                    ) from None
+                raise CgroupError(f"cgroup {where}: {err.strerror}") from None
+        else:
+            try:
+                fd = os.open(root, _DIR_FLAGS)
+            except OSError as err:
+                raise CgroupError(f"cgroup mount {root}: {err.strerror}") from None
+        self._dirs[key] = fd
+        return fd
+
+    def exists(self, controller: str, path: str) -> bool:
+        try:
+            self._dir(self.root(controller), split_path(path))
+        except CgroupError:
+            return False
+        return True
+
+    def read(self, controller: str, path: str, name: str) -> str:
+        root = self.root(controller)
+        parts = split_path(path)
+        where = os.path.join(root, *parts, name)
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir(root, parts)
+            )
+        except OSError as err:
+            raise CgroupError(f"cannot read {where}: {err.strerror}") from None
+        try:
+            data = os.read(fd, MAX_READ + 1)
+        except OSError as err:
+            raise CgroupError(f"cannot read {where}: {err.strerror}") from None
+        finally:
+            os.close(fd)
+        if len(data) > MAX_READ:
+            raise CgroupError(f"{where} is larger than {MAX_READ} bytes")
+        return data.decode("ascii", "replace").strip()
+
+    def write(self, controller: str, path: str, name: str, value: str) -> None:
+        root = self.root(controller)
+        parts = split_path(path)
+        where = os.path.join(root, *parts, name)
+        # No O_CREAT: cgroup files exist or the controller is not there; we never create files.
+        # O_TRUNC: what `echo > file` does; kernfs ignores it, a look-alike tree needs it.
+        flags = os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=self._dir(root, parts))
+        except OSError as err:
+            raise CgroupError(f"cannot open {where} for writing: {err.strerror}") from None
+        data = (value + "\n").encode()
+        try:
+            written = os.write(fd, data)
+        except OSError as err:
+            raise CgroupError(f"writing {value!r} to {where} failed: {_why(err)}") from None
+        finally:
+            os.close(fd)
+        if written != len(data):
+            raise CgroupError(f"short write of {value!r} to {where} ({written} of {len(data)})")
+
+    def children(self, controller: str, path: str) -> list[str]:
+        """Child cgroup paths (directories only; the kernel has no links here)."""
+        root = self.root(controller)
+        parts = split_path(path)
+        fd = os.open(
+            ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._dir(root, parts)
+        )
+        try:
+            with os.scandir(fd) as entries:
+                names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        finally:
+            os.close(fd)
+        return [join((*parts, name)) for name in names]
+
+    def subtree(self, controller: str, path: str) -> list[str]:
+        """``path`` and its descendants, parents before children."""
+        out = [path]
+        frontier = [(path, 0)]
+        while frontier:
+            current, depth = frontier.pop()
+            if depth >= MAX_DEPTH:
+                raise CgroupError(f"cgroup {current} is nested deeper than {MAX_DEPTH} levels")
+            for child in self.children(controller, current):
+                out.append(child)
+                frontier.append((child, depth + 1))
+        return sorted(out, key=lambda p: len(split_path(p)))
+
+    # --- queries used by the hook --------------------------------------------------------------
+
+    def populated(self, path: str) -> bool:
+        """Whether any process is in the cgroup or below it (a container whose processes are
+        all gone is stale even if the runtime has not removed its cgroup yet)."""
+        if self.layout.version == V2:
+            for line in self.read("cpuset", path, "cgroup.events").splitlines():
+                key, _, value = line.partition(" ")
+                if key == "populated":
+                    return value.strip() == "1"
+        return any(self.read("cpuset", p, "cgroup.procs") for p in self.subtree("cpuset", path))
+
+    def cpus(self, path: str) -> CPUSet:
+        """The CPUs the cgroup's tasks may run on."""
+        name = "cpuset.cpus.effective" if self.layout.version == V2 else "cpuset.cpus"
+        return _parse(self.read("cpuset", path, name), path, name)
+
+
+class Transaction:
+    """Writes that are undone, newest first, if the sequence does not complete.
+
+    ``with Transaction(fs) as tx:`` rolls back when the block raises; ``rollback_errors`` then
+    says what could not be restored (the caller reports it)."""
+
+    def __init__(self, fs: CgroupFS) -> None:
+        self.fs = fs
+        self.done: list[tuple[str, str, str, str]] = []  # (controller, path, file, old value)
+        self.rollback_errors: list[str] = []
+
+    def write(self, controller: str, path: str, name: str, value: str) -> None:
+        old = self.fs.read(controller, path, name)
+        self.fs.write(controller, path, name, value)
+        self.done.append((controller, path, name, old))
+
+    def rollback(self) -> list[str]:
+        errors = []
+        for controller, path, name, old in reversed(self.done):
+            try:
+                self.fs.write(controller, path, name, old)
+            except CgroupError as err:
+                errors.append(str(err))
+        self.done.clear()
+        self.rollback_errors = errors
+        return errors
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self.rollback()
+
+
+# --- cpusets ---------------------------------------------------------------------------------
+
+
+def set_cpuset(tx: Transaction, path: str, cpus: CPUSet, mems: CPUSet | None = None) -> bool:
+    """Make the container cgroup ``path`` (and anything nested below it) run on ``cpus`` and,
+    if given, allocate from NUMA nodes ``mems``.  Returns whether anything was written.
+
+    Ancestors are only ever grown (top-down) to make room; they belong to the pod and kubelet,
+    and other containers live below them."""
+    if not cpus:
+        raise CgroupError(f"refusing to give cgroup {path} an empty cpuset")
+    changed = False
+    if mems:
+        changed |= _apply(tx, path, "cpuset.mems", mems)
+    changed |= _apply(tx, path, "cpuset.cpus", cpus)
+    return changed
+
+
+def _apply(tx: Transaction, path: str, name: str, target: CPUSet) -> bool:
+    fs = tx.fs
+    v2 = fs.layout.version == V2
+    parts = split_path(path)
+    if not parts:
+        raise CgroupError("refusing to write the root cgroup")
+    changed = False
+    # 1. Ancestors, top-down, grown where they lack part of the target.  In v2 an empty value
+    #    means "inherit", which already contains whatever the parent has.
+    for depth in range(1, len(parts)):
+        ancestor = join(parts[:depth])
+        current = _parse(fs.read("cpuset", ancestor, name), ancestor, name)
+        if (current or not v2) and not target <= current:
+            tx.write("cpuset", ancestor, name, str(current | target))
+            changed = True
+    # 2. The container's subtree: grow top-down where needed, then shrink bottom-up, so that
+    #    every intermediate state satisfies v1's child ⊆ parent.  Usually the subtree is the
+    #    container alone, and this is a single write.
+    subtree = fs.subtree("cpuset", path)
+    values = {p: _parse(fs.read("cpuset", p, name), p, name) for p in subtree}
+    if len(subtree) > 1 and not v2:
+        for node in subtree:
+            if not target <= values[node]:
+                values[node] = values[node] | target
+                tx.write("cpuset", node, name, str(values[node]))
+                changed = True
+    for node in reversed(subtree):
+        if v2 and node != path and not values[node]:
+            continue  # inherits the container's set already
+        if values[node] != target:
+            tx.write("cpuset", node, name, str(target))
+            changed = True
+    # 3. v2 never refuses a write; it just applies something else.  Check what it applied.
+    if v2:
+        effective = f"{name}.effective"
+        applied = _parse(fs.read("cpuset", path, effective), path, effective)
+        if applied != target:
+            raise CgroupError(
+                f"cgroup {path}: wrote {name}={target or '(empty)'} but the kernel applied "
+                f"{applied or '(empty)'} ({effective}); an ancestor does not offer those "
+                f"{'CPUs' if name.endswith('cpus') else 'memory nodes'}"
+            )
+    return changed
+
+
+# --- CFS quota -------------------------------------------------------------------------------
+
+
+def lift_quota(tx: Transaction, cpu_path: str) -> bool:
+    """No CFS quota for the container (exclusive CPUs bound it already; quota only adds
+    throttling).  v1 ``cpu.cfs_quota_us = -1``; v2 ``cpu.max = max <period>``."""
+    fs = tx.fs
+    if fs.layout.version == V2:
+        current = fs.read("cpu", cpu_path, "cpu.max").split()
+        if not current or current[0] == "max":
+            return False
+        period = current[1] if len(current) > 1 else "100000"
+        tx.write("cpu", cpu_path, "cpu.max", f"max {period}")
+        return True
+    if fs.read("cpu", cpu_path, "cpu.cfs_quota_us") == "-1":
+        return False
+    tx.write("cpu", cpu_path, "cpu.cfs_quota_us", "-1")
+    return True
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _parse(text: str, path: str, name: str) -> CPUSet:
+    try:
+        return CPUSet.parse(text)
+    except ValueError as err:
+        raise CgroupError(f"cgroup {path}: {name} holds {text!r}: {err}") from None
+
+
+_ERRNO_HINTS = {
+    errno.EACCES: "not a subset of the parent's set (cgroup v1)",
+    errno.EBUSY: "a child cgroup still uses CPUs being removed (cgroup v1)",
+    errno.ENOSPC: "would leave a populated cgroup without CPUs or memory nodes",
+    errno.EINVAL: "invalid value, an offline CPU, or overlap with a cpu_exclusive sibling",
+    errno.ENODEV: "the cgroup was removed meanwhile",
+}
+
+
+def _why(err: OSError) -> str:
+    hint = _ERRNO_HINTS.get(err.errno or 0)
+    return f"{err.strerror}" + (f" ({hint})" if hint else "")

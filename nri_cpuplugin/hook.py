@@ -1,0 +1,772 @@
+"""The OCI runtime hook: ``createRuntime`` places a container, ``poststop`` releases it.
+
+CRI-O and podman (through runc or crun) run this program once per container event with the
+container's state JSON on stdin (docs/oci-hooks-and-cgroups.md §2).  It makes the decisions the
+NRI plugin makes, through the same policy and the same state file under the same lock, and
+applies them by writing cgroupfs itself:
+
+1. read and check the input (state JSON, ``<bundle>/config.json``, ``/proc/<pid>/cgroup``);
+   pause containers and containers without a Kubernetes identity are left alone;
+2. take the state lock, waiting a bounded time well below the hook timeout;
+3. load the state and reconcile it with the live cgroups: ``poststop`` only runs when the
+   runtime deletes a container, often long after it died, so every run drops what is gone;
+4. decide (``StaticPolicy.admit`` / ``release``), **commit**, and only then write cgroupfs: the
+   container's cpuset (+ NUMA nodes, CFS quota lifted when exclusive) and every shared
+   container's cpuset, as one transaction that is undone if any write fails.
+
+How shared containers are found again: the state document only names containers.  For each
+container it places, the hook keeps a small record ``<state_dir>/hook-containers/<id>.json``
+(its cgroup paths and the Workload fields the policy reads), written before the state commit
+that names the container and removed after the commit that forgets it.  The live cgroups say
+whether a recorded container still runs; the record says where its cgroup is and, if the state
+file is lost, lets the state be rebuilt from what runs (``reconcile``).  A node's containers
+are placed either by the hook or by the NRI daemon, not both: an assignment the hook has no
+record for cannot be checked and is treated as stale.
+
+Test-only: ``NRI_CPUPLUGIN_FAULT=<step>`` makes the process SIGKILL itself at that step boundary
+(see FAULT_STEPS) so tests can prove that the next run repairs whatever was left half done.
+Nothing sets it in production; the runtime passes hooks exactly the ``env`` of their hook entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO, NamedTuple, TextIO
+
+import orjson
+
+from . import cgroupfs, oci
+from .audit import DEBUG, ERR, WARNING, Audit
+from .cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
+from .config import ConfigError, Settings
+from .cpuset import CPUSet
+from .policy import EXCLUSIVE_ANNOTATION, ISOLATED_ANNOTATION, Decision, PolicyError, StaticPolicy
+from .reconcile import LiveContainer, reconcile
+from .state import NodeState
+from .store import Expected, StateLockTimeout, StateStore
+from .topology import TopologyError, discover
+from .workload import Workload
+
+FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
+FAULT_STEPS = (
+    "locked",  # the state lock is held
+    "loaded",  # state read (and rebuilt if it had to be)
+    "decided",  # stale entries released, the new decision made, nothing written yet
+    "recorded",  # the container's record is written
+    "committed",  # the new state is on disk
+    "shared-written",  # the shared containers' cpusets are written
+    "container-written",  # the container's own cpuset (and quota) are written
+    "cleaned",  # records of released containers are removed
+)
+RECORDS_DIR = "hook-containers"
+RECORD_VERSION = 1
+# The hooks.d entries give the hook 30 s (hooks/*.json).  A commit takes milliseconds, so
+# waiting 10 s means hundreds of hooks are queued; past that, failing with a clear message
+# beats being SIGKILLed by the runtime with none.
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+ALLOCATE, RELEASE = "allocate", "release"
+STAGES = {
+    "createRuntime": ALLOCATE,
+    "create-runtime": ALLOCATE,
+    "prestart": ALLOCATE,
+    "poststop": RELEASE,
+}
+# runc reports "creating" in createRuntime/prestart, crun "created"; both say "stopped" in
+# poststop.
+STATUSES = {"creating": ALLOCATE, "created": ALLOCATE, "stopped": RELEASE}
+
+EXIT_OK, EXIT_REFUSED, EXIT_INPUT = 0, 1, 2
+
+
+class HookFailure(Exception):
+    """Ends the run with a one-line reason on stderr and a non-zero exit."""
+
+    def __init__(
+        self,
+        message: str,
+        code: int = EXIT_REFUSED,
+        action: str = "hook-failed",
+        **fields: object,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.action = action
+        self.fields = fields
+
+
+class Options(NamedTuple):
+    stage: str | None = None  # from argv; None = from the state's status
+    cgroup_root: str = cgroupfs.DEFAULT_ROOT
+    proc: str = "/proc"
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    fault: str | None = None
+
+
+# --- the state lock, without filelock ------------------------------------------------------
+
+
+class HookStore(StateStore):
+    """The daemon's StateStore with the same lock taken directly: ``flock(2)`` LOCK_EX on
+    ``state.lock``, which is exactly what filelock's UnixFileLock holds, so daemon, CLI and
+    hooks exclude each other.  Importing filelock costs ~90 ms (it pulls asyncio, ssl and
+    sqlite3), more than everything else the hook does.
+
+    The wait blocks in flock(2) - so the next waiter runs the moment the lock is free - and a
+    one-shot SIGALRM bounds it.  ``lock_wait`` is how long the last acquisition waited."""
+
+    def __init__(self, state_dir: str, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+        super().__init__(state_dir, lock_timeout)
+        self._fd: int | None = None
+        self.lock_wait = 0.0
+
+    def holds_lock(self) -> bool:
+        return self._fd is not None
+
+    @contextlib.contextmanager
+    def locked(self, timeout: float | None = None) -> Iterator[StateStore]:
+        if self._fd is not None:
+            yield self
+            return
+        wait = self.lock_timeout if timeout is None else timeout
+        self._ensure_dir()
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.lock_path, flags, 0o600)
+        try:
+            started = time.monotonic()
+            if not _try_flock(fd):
+                _wait_flock(fd, wait, self.lock_path)
+            self.lock_wait = time.monotonic() - started
+            self._fd = fd
+            try:
+                yield self
+            finally:
+                self._fd = None
+        finally:
+            os.close(fd)  # the last descriptor of the open file: releases the lock
+
+
+class _Expired(Exception):
+    pass
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _wait_flock(fd: int, wait: float, lock_path: object) -> None:
+    if wait > 0 and threading.current_thread() is threading.main_thread():
+        waiting = [True]
+
+        def expire(signum: int, frame: object) -> None:
+            if waiting[0]:
+                raise _Expired
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, wait)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waiting[0] = False
+            return
+        except _Expired:
+            # The alarm may have hit just after flock returned: then we hold the lock.
+            if _try_flock(fd):
+                return
+        finally:
+            waiting[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:  # signals only reach the main thread: poll (in-process callers on other threads)
+        deadline = time.monotonic() + max(wait, 0.0)
+        delay = 0.001
+        while time.monotonic() < deadline:
+            time.sleep(delay)
+            if _try_flock(fd):
+                return
+            delay = min(delay * 2, 0.02)
+    raise StateLockTimeout(
+        f"timed out after {wait:g}s waiting for the state lock {lock_path}: another "
+        "nri-cpuplugin process (daemon, hook or CLI) holds it; `fuser -v "
+        f"{lock_path}` shows who"
+    )
+
+
+# --- records: where each placed container's cgroups are ------------------------------------
+
+
+class Record(NamedTuple):
+    workload: Workload
+    cgroups: ContainerCgroups
+
+
+class Records:
+    """``<state_dir>/hook-containers/<container id>.json``: one small file per placed container.
+
+    Written by rename (a reader sees a whole file or none) and only under the state lock.  No
+    fsync: the page cache survives the death of a hook process, and a machine crash that loses
+    a record also kills the container it describes."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.dir = os.path.join(state_dir, RECORDS_DIR)
+
+    def load(self) -> tuple[dict[str, Record], dict[str, str]]:
+        """(records by container id, {container id: why its file is unusable})."""
+        records: dict[str, Record] = {}
+        problems: dict[str, str] = {}
+        try:
+            entries = os.listdir(self.dir)
+        except FileNotFoundError:
+            return records, problems
+        for name in entries:
+            cid = name.removesuffix(".json")
+            if not name.endswith(".json") or not oci.CONTAINER_ID.fullmatch(cid):
+                continue  # our temp files and anything else are not records
+            try:
+                records[cid] = self._read(cid)
+            except (OSError, ValueError, TypeError, KeyError, CgroupError) as err:
+                problems[cid] = f"record {name} is unusable and is removed: {err}"
+        return records, problems
+
+    def _read(self, cid: str) -> Record:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(os.path.join(self.dir, f"{cid}.json"), flags)
+        try:
+            data = os.read(fd, oci.MAX_STATE_BYTES + 1)
+        finally:
+            os.close(fd)
+        doc = orjson.loads(data)
+        if doc.get("version") != RECORD_VERSION or doc.get("container_id") != cid:
+            raise ValueError("not a record of this version for this container")
+        cpuset = doc["cpuset_cgroup"]
+        cpu = doc.get("cpu_cgroup")
+        cgroupfs.split_path(cpuset)
+        if cpu is not None:
+            cgroupfs.split_path(cpu)
+        workload = Workload(
+            container_id=cid,
+            container_name=doc["container_name"],
+            pod_uid=doc["pod_uid"],
+            pod_name=doc["pod_name"],
+            pod_namespace=doc["pod_namespace"],
+            qos=doc["qos"],
+            cpu_request_milli=int(doc["cpu_request_milli"]),
+            cpu_limit_milli=doc["cpu_limit_milli"],
+            annotations=oci._string_map(doc["annotations"], "annotations"),
+            kind=doc["kind"],
+            cgroup_path=cpuset,
+        )
+        return Record(workload, ContainerCgroups(cpuset, cpu))
+
+    def write(self, record: Record) -> None:
+        w = record.workload
+        doc = {
+            "version": RECORD_VERSION,
+            "container_id": w.container_id,
+            "cpuset_cgroup": record.cgroups.cpuset,
+            "cpu_cgroup": record.cgroups.cpu,
+            "container_name": w.container_name,
+            "pod_uid": w.pod_uid,
+            "pod_name": w.pod_name,
+            "pod_namespace": w.pod_namespace,
+            "qos": w.qos,
+            "cpu_request_milli": w.cpu_request_milli,
+            "cpu_limit_milli": w.cpu_limit_milli,
+            # Only what the policy reads: pods carry kilobytes of unrelated annotations.
+            "annotations": _policy_annotations(w.annotations),
+            "kind": w.kind,
+        }
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        final = os.path.join(self.dir, f"{w.container_id}.json")
+        tmp = os.path.join(self.dir, f".{w.container_id}.tmp")
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            os.write(fd, orjson.dumps(doc))
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+
+    def remove(self, cid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, f"{cid}.json"))
+
+
+def _policy_annotations(annotations: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in annotations.items()
+        if k.startswith((EXCLUSIVE_ANNOTATION, ISOLATED_ANNOTATION))
+    }
+
+
+# --- one run ---------------------------------------------------------------------------------
+
+
+class Hook:
+    def __init__(self, settings: Settings, options: Options, audit: Audit) -> None:
+        self.settings = settings
+        self.options = options
+        self.audit = audit
+        self.store = HookStore(settings.state_dir, options.lock_timeout)
+        self.records = Records(settings.state_dir)
+
+    # --- entry points ----------------------------------------------------------------------
+
+    def allocate(self, state: oci.OCIState) -> int:
+        config = oci.read_config(state.bundle)
+        annotations = config.annotations
+        if oci.is_sandbox(annotations):
+            self._skip(state, "pod sandbox (pause) container")
+            return EXIT_OK
+        identity = oci.kubernetes_identity(annotations)
+        if identity is None:
+            self._skip(state, "no Kubernetes pod uid and container name annotations")
+            return EXIT_OK
+        if state.pid is None:
+            raise oci.InputError(
+                f"the state of container {state.id} has no pid: placing a container needs its "
+                "process (is the hook configured for a stage other than createRuntime?)"
+            )
+        layout = self._layout()
+        cgroups = cgroupfs.read_proc_cgroup(state.pid, layout, self.options.proc)
+        _check_container_cgroup(cgroups.cpuset, state.id, state.pid)
+        workload = oci.from_oci(state, config, cgroups.cpuset, identity)
+        policy = self._policy()
+        with CgroupFS(layout) as fs:
+            if not fs.exists("cpuset", cgroups.cpuset):
+                raise CgroupError(f"cgroup {cgroups.cpuset} of container {state.id} is gone")
+            return self._locked_run(policy, fs, workload=workload, cgroups=cgroups)
+
+    def release(self, state: oci.OCIState) -> int:
+        policy = self._policy()
+        with CgroupFS(self._layout()) as fs:
+            return self._locked_run(policy, fs, released_id=state.id)
+
+    # --- the locked part -------------------------------------------------------------------
+
+    def _locked_run(
+        self,
+        policy: StaticPolicy,
+        fs: CgroupFS,
+        workload: Workload | None = None,
+        cgroups: ContainerCgroups | None = None,
+        released_id: str | None = None,
+    ) -> int:
+        store = self.store
+        with store.locked():
+            self._fault("locked")
+            loaded, rebuilt = self._load(policy)
+            self._fault("loaded")
+            records, problems = self.records.load()
+            for problem in problems.values():
+                self.audit.record("reconcile", problem, WARNING)
+            known = set(records) if loaded is None else _known(loaded)
+            base = loaded or policy.empty_state()
+            state = base
+            released: Decision | None = None
+            if released_id is not None:
+                # Named by the runtime: released as such, not found stale below.
+                released, state = policy.release(state, released_id)
+                known.discard(released_id)
+            live, stale = self._live(fs, known, records)
+            stale_decisions = []
+            for cid in stale:
+                decision, state = policy.release(state, cid)
+                stale_decisions.append((cid, decision))
+            pods = {c.workload.pod_uid for c in live}
+            if workload is not None:
+                pods.add(workload.pod_uid)
+            result = reconcile(policy, state, live, pods)
+            repaired = result.state
+
+            decision: Decision | None = None
+            refusal: PolicyError | None = None
+            new_state = repaired
+            if workload is not None:
+                try:
+                    decision, new_state = policy.admit(repaired, workload)
+                except PolicyError as err:
+                    refusal = err
+            self._fault("decided")
+
+            targets = {c.workload.container_id: records[c.workload.container_id] for c in live}
+            if decision is not None:
+                record = Record(workload, cgroups)
+                self.records.write(record)
+                targets[workload.container_id] = record
+                self._fault("recorded")
+            if loaded is None or new_state != loaded:
+                store.commit(new_state)
+            self._fault("committed")
+
+            current = {c.workload.container_id: c.cpus for c in live}
+            try:
+                writes = self._apply(fs, policy, new_state, targets, current, workload)
+            except CgroupError as err:
+                if decision is not None and new_state != repaired:
+                    # Nothing of the decision is in force: the state must not claim it.
+                    store.commit(repaired)
+                    self.records.remove(workload.container_id)
+                raise HookFailure(str(err)) from None
+
+            gone = set(stale)
+            if released_id is not None:
+                gone.add(released_id)
+            gone |= {cid for cid in records if cid not in _known(new_state) and cid not in targets}
+            gone |= problems.keys() - _known(new_state)
+            for cid in gone:
+                self.records.remove(cid)
+            self._fault("cleaned")
+            lock_wait = store.lock_wait
+
+        self._report(
+            policy,
+            base,
+            rebuilt,
+            stale_decisions,
+            result.notes,
+            decision,
+            released,
+            workload,
+            released_id,
+            new_state,
+            writes,
+            lock_wait,
+        )
+        if refusal is not None:
+            raise HookFailure(
+                str(refusal),
+                EXIT_REFUSED,
+                "refuse",
+                lock_wait_ms=f"{lock_wait * 1000:.1f}",
+                **_identity(workload),
+            )
+        return EXIT_OK
+
+    def _load(self, policy: StaticPolicy) -> tuple[NodeState | None, str | None]:
+        """(trusted state or None, why it had to be rebuilt) - as the daemon's load_state."""
+        result = self.store.load(
+            Expected(policy.name, policy.topology.fingerprint(), policy.reserved)
+        )
+        state, problem = result.state, result.problem
+        if state is not None:
+            problem = policy.check(state)
+            if problem is not None:
+                self.store.set_aside()
+                state = None
+        if state is None:
+            quarantined = result.quarantined is not None or problem != result.problem
+            return None, problem if quarantined else None
+        return policy.normalized(state), None
+
+    def _live(
+        self, fs: CgroupFS, known: Any, records: Mapping[str, Record]
+    ) -> tuple[list[LiveContainer], list[str]]:
+        """Which known containers still run (their recorded cgroup has processes), with the
+        CPUs they run on; the rest are stale."""
+        live, stale = [], []
+        for cid in sorted(known):
+            record = records.get(cid)
+            try:
+                if record is not None and fs.populated(record.cgroups.cpuset):
+                    live.append(LiveContainer(record.workload, fs.cpus(record.cgroups.cpuset)))
+                    continue
+            except CgroupError:
+                pass  # its cgroup is gone (ENOENT) or unreadable: it cannot be running there
+            stale.append(cid)
+        return live, stale
+
+    def _apply(
+        self,
+        fs: CgroupFS,
+        policy: StaticPolicy,
+        state: NodeState,
+        targets: Mapping[str, Record],
+        running_on: Mapping[str, CPUSet],
+        current: Workload | None,
+    ) -> list[str]:
+        """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
+        then CPUs given, the new container last.  One transaction: all or nothing.  Returns
+        one line per cgroup written."""
+        quota = self.settings.cfs_quota == "unlimited"
+        plan = []
+        for cid, record in targets.items():
+            held = state.assignments.get(cid)
+            if held is not None:
+                plan.append((cid, record, held.cpus, policy.topology.numa_of(held.cpus), quota))
+            elif cid in state.sharing:
+                plan.append((cid, record, state.shared, None, False))
+        current_id = current.container_id if current is not None else None
+        others = [p for p in plan if p[0] != current_id]
+        mine = [p for p in plan if p[0] == current_id]
+        # CPUs are taken away before they are given, so no CPU is ever in more places than
+        # it already was.
+        others.sort(key=lambda p: (not (running_on.get(p[0], CPUSet()) - p[2]), p[0]))
+        written: list[str] = []
+        with Transaction(fs) as tx:
+            for step in (others, mine):
+                for cid, record, cpus, mems, lift in step:
+                    try:
+                        if _place(tx, record, cpus, mems, lift):
+                            written.append(f"{cid[:12]}={cpus}")
+                    except CgroupError as err:
+                        # A sibling exiting right now must not fail this container (as the
+                        # NRI path's ignore_failure); the next run reconciles it away.
+                        if cid != current_id and not _still_running(fs, record):
+                            continue
+                        raise CgroupError(
+                            f"{err}; rolled back {len(tx.done)} earlier cgroup writes"
+                        ) from None
+                if step is others:
+                    self._fault("shared-written")
+                elif current is not None:
+                    self._fault("container-written")
+        return written
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _policy(self) -> StaticPolicy:
+        s = self.settings
+        topology = discover(s.sysfs)
+        return StaticPolicy.from_config(
+            topology, s.reserved_cpus, s.effective_reserved_count, s.policy_options
+        )
+
+    def _layout(self) -> cgroupfs.Layout:
+        return cgroupfs.detect(self.options.cgroup_root)
+
+    def _fault(self, step: str) -> None:
+        if self.options.fault == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _skip(self, state: oci.OCIState, why: str) -> None:
+        self.audit.record(
+            "skip", f"container {state.id[:12]} left alone: {why}", DEBUG, container_id=state.id
+        )
+
+    def _report(
+        self,
+        policy: StaticPolicy,
+        base: NodeState,
+        rebuilt: str | None,
+        stale: list[tuple[str, Decision | None]],
+        notes: tuple[str, ...],
+        decision: Decision | None,
+        released: Decision | None,
+        workload: Workload | None,
+        released_id: str | None,
+        state: NodeState,
+        writes: list[str],
+        lock_wait: float,
+    ) -> None:
+        audit = self.audit
+        wait_ms = f"{lock_wait * 1000:.1f}"
+        if rebuilt is not None:
+            audit.record(
+                "state-rebuild",
+                f"state file set aside, rebuilt from live cgroups: {rebuilt}",
+                WARNING,
+                reason=rebuilt,
+            )
+        for cid, gone in stale:
+            cpus = f" (frees {gone.cpus})" if gone is not None else ""
+            audit.record(
+                "release",
+                f"container {cid[:12]} no longer runs{cpus}: its cgroup is gone or empty",
+                container_id=cid,
+                cpus=gone.cpus if gone is not None else None,
+                reason="stale",
+            )
+        for note in notes:
+            audit.record("reconcile", note, reason="hook")
+        if decision is not None and workload is not None:
+            who = f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}"
+            fields = {
+                "reason": decision.reason,
+                "cpus": decision.cpus,
+                "shared_cpus": state.shared,
+                "lock_wait_ms": wait_ms,
+                "cgroup_writes": len(writes),
+                **_identity(workload),
+            }
+            if decision.exclusive:
+                audit.record(
+                    "allocate",
+                    f"{who} got exclusive CPUs {decision.cpus} (NUMA {decision.mems}): "
+                    f"{decision.reason}",
+                    mems=decision.mems,
+                    **fields,
+                )
+            else:
+                audit.record(
+                    "share",
+                    f"{who} runs in the shared pool {decision.cpus}: {decision.reason}",
+                    DEBUG,
+                    **fields,
+                )
+        if released is not None:
+            audit.record(
+                "release",
+                f"released CPUs {released.cpus} of container {released_id[:12]}",
+                container_id=released_id,
+                cpus=released.cpus,
+                shared_cpus=state.shared,
+                lock_wait_ms=wait_ms,
+            )
+        if base.shared != state.shared:
+            audit.record(
+                "shared-resize",
+                f"shared pool {base.shared} -> {state.shared} ({len(state.sharing)} shared "
+                f"containers; {len(writes)} cgroups written)",
+                shared_cpus=state.shared,
+                old_shared_cpus=base.shared,
+            )
+
+
+def _identity(workload: Workload) -> dict[str, str]:
+    return {
+        "container_id": workload.container_id,
+        "container_name": workload.container_name,
+        "pod_uid": workload.pod_uid,
+        "pod_name": workload.pod_name,
+        "pod_namespace": workload.pod_namespace,
+    }
+
+
+def _known(state: NodeState) -> set[str]:
+    return set(state.assignments) | set(state.sharing)
+
+
+def _place(
+    tx: Transaction, record: Record, cpus: CPUSet, mems: CPUSet | None, lift_quota: bool
+) -> bool:
+    changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, cpus, mems)
+    if lift_quota and record.cgroups.cpu is not None:
+        changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+    return changed
+
+
+def _still_running(fs: CgroupFS, record: Record) -> bool:
+    try:
+        return fs.populated(record.cgroups.cpuset)
+    except CgroupError:
+        return False
+
+
+def _check_container_cgroup(path: str, cid: str, pid: int) -> None:
+    """The pid comes from the runtime: make sure we are about to write the container's own
+    cgroup, not the root or a pod-wide one (runtimes name the container's cgroup after its id:
+    ``crio-<id>``, ``<id>``, ``libpod-<id>``, crun's ``crio-<id>.scope/container``)."""
+    parts = cgroupfs.split_path(path)
+    if not parts:
+        raise oci.InputError(f"process {pid} is in the root cgroup, not in a container's cgroup")
+    if not any(cid in part for part in parts[-2:]):
+        raise oci.InputError(
+            f"the cgroup {path} of process {pid} is not named after container {cid}; refusing "
+            "to write it (is pid the container's init process?)"
+        )
+
+
+# --- process entry ---------------------------------------------------------------------------
+
+
+def action_for(stage: str | None, status: str) -> str:
+    if stage is not None:
+        try:
+            return STAGES[stage]
+        except KeyError:
+            raise oci.InputError(
+                f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}"
+            ) from None
+    try:
+        return STATUSES[status]
+    except KeyError:
+        raise oci.InputError(
+            f"cannot tell the hook stage from container status {status!r}; give it as an "
+            "argument (createRuntime or poststop)"
+        ) from None
+
+
+def run(
+    settings: Settings,
+    options: Options,
+    stdin: BinaryIO,
+    stderr: TextIO,
+    audit: Audit | None = None,
+) -> int:
+    """One hook invocation; returns the exit status.  Failures print one line on ``stderr``
+    (the runtime shows it to whoever created the container) and leave an audit record."""
+    audit = audit if audit is not None else Audit(SOURCE="oci-hook")
+    cid = ""
+    try:
+        state = oci.read_state(stdin)
+        cid = state.id
+        hook = Hook(settings, options, audit)
+        if action_for(options.stage, state.status) == ALLOCATE:
+            return hook.allocate(state)
+        return hook.release(state)
+    except HookFailure as err:
+        return _fail(stderr, audit, str(err), err.code, err.action, cid, **err.fields)
+    except (oci.InputError, ConfigError, TopologyError) as err:
+        return _fail(stderr, audit, str(err), EXIT_INPUT, "hook-input", cid)
+    except PolicyError as err:  # configuration the policy cannot run with
+        return _fail(stderr, audit, str(err), EXIT_INPUT, "hook-config", cid)
+    except (CgroupError, StateLockTimeout) as err:
+        return _fail(stderr, audit, str(err), EXIT_REFUSED, "hook-failed", cid)
+    except OSError as err:
+        return _fail(
+            stderr, audit, f"{err.filename or ''}: {err.strerror or err}", 1, "hook-failed", cid
+        )
+    except Exception as err:  # a bug must still fail as one line, not a traceback
+        return _fail(
+            stderr, audit, f"internal error: {type(err).__name__}: {err}", 1, "hook-failed", cid
+        )
+
+
+def _fail(
+    stderr: TextIO, audit: Audit, reason: str, code: int, action: str, cid: str, **fields: object
+) -> int:
+    line = " ".join(reason.split())  # exactly one line, whatever the message held
+    fields.setdefault("container_id", cid or None)
+    with contextlib.suppress(Exception):  # the reason on stderr matters more than the record
+        audit.record(action, line, ERR, reason=line, **fields)
+    stderr.write(f"nri-cpuplugin: {line}\n")
+    stderr.flush()
+    return code
+
+
+def report_failure(reason: str, code: int, action: str = "hook-failed") -> int:
+    """For failures before ``run`` (configuration): the same one line and audit record."""
+    return _fail(sys.stderr, Audit(SOURCE="oci-hook"), reason, code, action, "")
+
+
+def options_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Options:
+    env = os.environ if environ is None else environ
+    return Options(
+        stage=getattr(args, "stage", None),
+        cgroup_root=getattr(args, "cgroup_root", None) or cgroupfs.DEFAULT_ROOT,
+        lock_timeout=getattr(args, "lock_timeout", None) or DEFAULT_LOCK_TIMEOUT,
+        fault=env.get(FAULT_ENV) or None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``nri-cpuplugin-hook``: the same as ``nri-cpuplugin hook``."""
+    from .cli import main as cli_main
+
+    return cli_main(["hook", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,282 @@
+"""What an OCI runtime hands a hook: the container state on stdin and the bundle's config.json.
+
+Both are input from outside the process, so everything is bounded and checked before use:
+sizes, types, the container id (it names a file of ours), the bundle path.  The Workload built
+here reads Kubernetes intent exactly as ``workload.from_nri`` does (DESIGN.md, "Reading
+Kubernetes intent from the runtime's view"), so the hook and the NRI plugin decide alike.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from collections.abc import Mapping
+from typing import Any, BinaryIO, NamedTuple
+
+import orjson
+
+from .workload import (
+    BESTEFFORT,
+    Workload,
+    millicores_from_quota,
+    millicores_from_shares,
+    qos_from_cgroup_parent,
+)
+
+# The state document is small (id, pid, bundle, annotations); Kubernetes caps a pod's
+# annotations at 256 KiB, so 1 MiB leaves room and still bounds what we read.
+MAX_STATE_BYTES = 1 << 20
+# config.json carries env, mounts and annotations; real ones are tens of KiB.
+MAX_CONFIG_BYTES = 16 << 20
+MAX_PATH = 4096
+MAX_NAME = 256  # pod names are <= 253 characters, uids 36
+# Container ids name a record file of ours, so they are restricted to a safe file name: runc's
+# own alphabet minus the oddities, never starting with a dot (no ".", "..", hidden files).
+CONTAINER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
+
+# Kubernetes identity: CRI-O copies the CRI labels into annotations; containerd's CRI plugin
+# uses its own io.kubernetes.cri.* keys.  First match wins.
+POD_UID_KEYS = ("io.kubernetes.pod.uid", "io.kubernetes.cri.sandbox-uid")
+POD_NAME_KEYS = ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name")
+POD_NAMESPACE_KEYS = ("io.kubernetes.pod.namespace", "io.kubernetes.cri.sandbox-namespace")
+CONTAINER_NAME_KEYS = ("io.kubernetes.container.name", "io.kubernetes.cri.container-name")
+CONTAINER_TYPE_KEYS = ("io.kubernetes.cri-o.ContainerType", "io.kubernetes.cri.container-type")
+# kubelet's pods all live below a cgroup named kubepods (cgroupfs "kubepods", systemd
+# "kubepods.slice" and its "kubepods-..." children).
+KUBEPODS = "kubepods"
+
+
+class InputError(ValueError):
+    """Input from the runtime that we refuse to act on; the message says what and why."""
+
+
+class OCIState(NamedTuple):
+    """The runtime-spec "State" a hook reads from stdin."""
+
+    id: str
+    status: str
+    pid: int | None
+    bundle: str
+    annotations: Mapping[str, str]
+
+
+class OCIConfig(NamedTuple):
+    """The parts of ``<bundle>/config.json`` the policy needs."""
+
+    annotations: Mapping[str, str]
+    shares: int | None
+    quota: int | None
+    period: int | None
+
+
+# --- state (stdin) ---------------------------------------------------------------------------
+
+
+def read_state(stream: BinaryIO, limit: int = MAX_STATE_BYTES) -> OCIState:
+    """Read and validate the state JSON; InputError if it is not a usable one."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise InputError(f"the container state on stdin is larger than {limit} bytes")
+    return parse_state(data)
+
+
+def parse_state(data: bytes) -> OCIState:
+    if not data.strip():
+        raise InputError("no container state on stdin (expected the OCI state JSON)")
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as err:
+        raise InputError(f"the container state on stdin is not JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise InputError("the container state on stdin is not a JSON object")
+    cid = check_container_id(doc.get("id"))
+    status = doc.get("status", "")
+    if not isinstance(status, str) or len(status) > 64:
+        raise InputError(f"state field 'status' is not a short string: {_show(status)}")
+    pid = doc.get("pid")
+    if pid is not None and (type(pid) is not int or not 0 <= pid <= MAX_PID):
+        raise InputError(f"state field 'pid' is not a process id: {_show(pid)}")
+    bundle = check_abs_path(doc.get("bundle"), "state field 'bundle'")
+    return OCIState(
+        id=cid,
+        status=status,
+        pid=pid or None,  # runc and crun send 0 or nothing when there is no process
+        bundle=bundle,
+        annotations=_string_map(doc.get("annotations"), "state field 'annotations'"),
+    )
+
+
+def check_container_id(value: object) -> str:
+    if not isinstance(value, str) or not CONTAINER_ID.fullmatch(value):
+        raise InputError(
+            f"container id {_show(value)} is not 1-128 characters of [A-Za-z0-9_.-] "
+            "starting with a letter, digit or '_'"
+        )
+    return value
+
+
+def check_abs_path(value: object, what: str) -> str:
+    """An absolute, normalised path: no NUL, no '.'/'..' components, bounded length."""
+    if not isinstance(value, str) or not value:
+        raise InputError(f"{what} is not a path: {_show(value)}")
+    if len(value) > MAX_PATH:
+        raise InputError(f"{what} is longer than {MAX_PATH} characters")
+    if "\0" in value:
+        raise InputError(f"{what} contains a NUL byte: {_show(value)}")
+    if not value.startswith("/"):
+        raise InputError(f"{what} is not absolute: {_show(value)}")
+    if any(part in (".", "..") for part in value.split("/")):
+        raise InputError(f"{what} contains '.' or '..' components: {_show(value)}")
+    return value
+
+
+# --- config.json -----------------------------------------------------------------------------
+
+
+def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> OCIConfig:
+    """Read ``<bundle>/config.json`` (a regular file, not followed through a link, bounded)."""
+    path = os.path.join(bundle, "config.json")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InputError(f"{path} is a symbolic link; refusing to follow it") from None
+        raise InputError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{path} is not a regular file")
+        chunks = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise InputError(f"{path} is larger than {limit} bytes")
+    return parse_config(b"".join(chunks), path)
+
+
+def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as err:
+        raise InputError(f"{path} is not JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path} is not a JSON object")
+    cpu = _object(_object(_object(doc, "linux", path), "resources", path), "cpu", path)
+    return OCIConfig(
+        annotations=_string_map(doc.get("annotations"), f"{path} annotations"),
+        shares=_int(cpu, "shares", path, minimum=0),
+        quota=_int(cpu, "quota", path),
+        period=_int(cpu, "period", path, minimum=0),
+    )
+
+
+# --- Kubernetes view -------------------------------------------------------------------------
+
+
+def first(annotations: Mapping[str, str], keys: tuple[str, ...]) -> str:
+    for key in keys:
+        value = annotations.get(key)
+        if value:
+            return value
+    return ""
+
+
+def is_sandbox(annotations: Mapping[str, str]) -> bool:
+    """The pod's infra ("pause") container: never placed (CRI-O does not even run hooks.d
+    hooks for it, but a hook injected another way might be)."""
+    return first(annotations, CONTAINER_TYPE_KEYS) == "sandbox"
+
+
+def kubernetes_identity(annotations: Mapping[str, str]) -> tuple[str, str, str, str] | None:
+    """(pod uid, pod name, namespace, container name), or None when the container does not
+    carry the pod uid and container name every kubelet-created container has."""
+    identity = (
+        first(annotations, POD_UID_KEYS),
+        first(annotations, POD_NAME_KEYS),
+        first(annotations, POD_NAMESPACE_KEYS),
+        first(annotations, CONTAINER_NAME_KEYS),
+    )
+    if not identity[0] or not identity[3]:
+        return None
+    for value in identity:
+        if len(value) > MAX_NAME or "\0" in value:
+            raise InputError(f"Kubernetes identity annotation {_show(value)} is not a plain name")
+    return identity
+
+
+def qos_from_cgroup(cgroup_path: str) -> str:
+    """QoS class from where kubelet put the pod: the container's parent cgroups.  A container
+    outside kubelet's ``kubepods`` tree is not a kubelet pod and never gets exclusive CPUs (the
+    NRI path treats a missing cgroup parent the same way)."""
+    parents = [part for part in cgroup_path.split("/") if part][:-1]
+    if not any(part.startswith(KUBEPODS) for part in parents):
+        return BESTEFFORT
+    return qos_from_cgroup_parent("/".join(parents))
+
+
+def from_oci(
+    state: OCIState, config: OCIConfig, cgroup_path: str, identity: tuple[str, str, str, str]
+) -> Workload:
+    """The Workload the NRI path would build for this container (``workload.from_nri``)."""
+    pod_uid, pod_name, pod_namespace, container_name = identity
+    return Workload(
+        container_id=state.id,
+        container_name=container_name,
+        pod_uid=pod_uid,
+        pod_name=pod_name,
+        pod_namespace=pod_namespace,
+        qos=qos_from_cgroup(cgroup_path),
+        cpu_request_milli=millicores_from_shares(config.shares) if config.shares else 0,
+        cpu_limit_milli=millicores_from_quota(config.quota, config.period),
+        annotations=config.annotations,
+        cgroup_path=cgroup_path,
+    )
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _object(doc: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: {key} is not an object")
+    return value
+
+
+def _int(doc: Mapping[str, Any], key: str, path: str, minimum: int | None = None) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or (minimum is not None and value < minimum):
+        raise InputError(
+            f"{path}: linux.resources.cpu.{key} is not a valid integer: {_show(value)}"
+        )
+    return value
+
+
+def _string_map(value: object, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise InputError(f"{what} is not a map of strings to strings")
+    return value

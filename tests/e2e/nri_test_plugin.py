@@ -1,0 +1,109 @@
+"""A test plugin on our Stub, for the transport e2e tests: it records every event it gets as a
+JSON line and reacts as its settings say.  Settings (JSON) come from argv[1] when started as a
+daemon, or from the runtime's Configure config when the runtime launched it.
+
+    log          file to append event records to
+    subscribe    "all" (every event up to REMOVE_CONTAINER) or "create" (CreateContainer only)
+    pin          cpuset to put in every CreateContainer adjustment ("" = no adjustment)
+    big          bytes of annotation to add to each adjustment (to make big replies)
+    refuse       container name whose creation is refused with an error
+    retarget     {"trigger": name, "target": name, "cpus": list}: creating `trigger` updates the
+                 running container `target` to `cpus` in the same reply
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.nri.stub import EVENT_HANDLERS, Stub
+
+
+class Recorder:
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.ids: dict[str, str] = {}  # container name -> id
+
+    def _log(self, **record) -> None:
+        path = self.settings.get("log")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "pid": os.getpid(), **record}) + "\n")
+
+    def configure(self, config, runtime, version):
+        if config.strip():
+            self.settings.update(json.loads(config))
+        self._log(
+            event="configure",
+            runtime=runtime,
+            version=version,
+            launched_fd=os.environ.get("NRI_PLUGIN_SOCKET"),
+        )
+
+    def synchronize(self, pods, containers):
+        self._log(
+            event="synchronize",
+            pods=sorted(p.name for p in pods),
+            containers=sorted(c.name for c in containers),
+        )
+        for c in containers:
+            self.ids[c.name] = c.id
+        return []
+
+    def create_container(self, pod, container):
+        self.ids[container.name] = container.id
+        self._log(event="create_container", pod=pod.name, container=container.name)
+        if container.name == self.settings.get("refuse"):
+            raise RuntimeError(f"refusing {container.name} on purpose (test)")
+        adjust = pb.ContainerAdjustment()
+        if self.settings.get("pin"):
+            adjust.linux.resources.cpu.cpus = self.settings["pin"]
+        if self.settings.get("big"):
+            adjust.annotations["test.nri/big"] = "x" * int(self.settings["big"])
+        updates = []
+        retarget = self.settings.get("retarget")
+        if retarget and container.name == retarget["trigger"]:
+            update = pb.ContainerUpdate(container_id=self.ids[retarget["target"]])
+            update.linux.resources.cpu.cpus = retarget["cpus"]
+            updates.append(update)
+        return adjust, updates
+
+
+def _event_handler(name: str):
+    def handler(self, pod, container=None, resources=None):
+        self._log(event=name, pod=pod.name, container=container.name if container else None)
+        if container is not None:
+            self.ids[container.name] = container.id
+        return [] if name in ("update_container", "stop_container") else None
+
+    return handler
+
+
+def build_plugin(settings: dict) -> Recorder:
+    handlers = {}
+    if settings.get("subscribe", "all") == "all":
+        handlers = {
+            name: _event_handler(name)
+            for name in EVENT_HANDLERS.values()
+            if name != "create_container"
+        }
+    return type("TestPlugin", (Recorder,), handlers)(settings)
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    plugin = build_plugin(settings)
+    # Runtime-launched: stdio is /dev/null and the settings (log file) come with Configure.
+    stub = Stub.from_environment(plugin, "transport", "50", socket_path=settings.get("socket"))
+    asyncio.run(stub.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The CPU plugin daemon end to end, through real containerd 1.7.24 and 2.1.9 and runc, on
+this 2-CPU machine: CPU 0 reserved (and shared), CPU 1 exclusive."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from harness import host
+from harness.cri import CRIError
+from harness.k8s import ContainerSpec, PodSpec
+
+from e2e.daemon import REPO, Daemon, check_agreement, wait_for
+
+FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
+ALL = "0-1"
+
+
+def guaranteed(name: str, cpus: float = 1, **kw) -> ContainerSpec:
+    return ContainerSpec.guaranteed(name, cpus, **kw)
+
+
+def burstable(name: str, **kw) -> ContainerSpec:
+    return ContainerSpec(name, cpu_request_milli=250, memory="32Mi", **kw)
+
+
+@pytest.fixture
+def daemon(containerd, tmp_path):
+    process = Daemon(containerd.nri_socket, tmp_path / "state")
+    process.start()
+    yield process
+    process.stop()
+
+
+def test_born_pinned_with_memory_node_and_no_quota(containerd, cri, daemon):
+    pod = cri.run("latency", [guaranteed("victim", command=FIRST_LINE)])
+    [line] = cri.wait_logs(pod["victim"], 1)
+    assert line == "Cpus_allowed_list:\t1"  # its very first instruction already ran on CPU 1
+    path = cri.cgroup_path(pod["victim"])
+    assert host.read_cgroup(path, "cpuset.mems") == "0"
+    assert host.read_cgroup(path, "cpu.cfs_quota_us", "cpu") == "-1"
+    [allocate] = daemon.records("allocate")
+    assert allocate["CPUS"] == "1" and allocate["POD_NAME"] == "latency"
+    check_agreement(daemon, cri)
+
+
+def test_no_window_siblings_move_before_create_returns(containerd, cri, daemon):
+    noisy = cri.run("noisy", [burstable("burner")])
+    pid = cri.inspect(noisy["burner"]).pid
+    assert host.cpus_allowed_list(pid) == ALL
+    pod_id = cri.run_pod(PodSpec("exclusive", qos="guaranteed"))
+    cid = cri.create_container(pod_id, guaranteed("pinned"))
+    # CreateContainer has returned; the exclusive container has not even started yet.
+    assert host.read_cgroup(cri.cgroup_path(noisy["burner"]), "cpuset.cpus") == "0"
+    assert host.cpus_allowed_list(pid) == "0"
+    cri.start(cid)
+    check_agreement(daemon, cri)
+    cri.stop(cid)
+    assert host.cpus_allowed_list(pid) == ALL  # back as soon as StopContainer returns
+    check_agreement(daemon, cri)
+
+
+def test_who_shares_and_the_pool_is_never_emptied(containerd, cri, daemon):
+    pod = cri.run(
+        "mixed",
+        [
+            guaranteed("half", 0.5, command=FIRST_LINE),
+        ],
+    )
+    assert cri.wait_logs(pod["half"], 1) == [f"Cpus_allowed_list:\t{ALL}"]
+    burst = cri.run("burst", [burstable("b", command=FIRST_LINE)])
+    assert cri.wait_logs(burst["b"], 1) == [f"Cpus_allowed_list:\t{ALL}"]
+    best = cri.run("best", [ContainerSpec("e", command=FIRST_LINE)])
+    assert cri.wait_logs(best["e"], 1) == [f"Cpus_allowed_list:\t{ALL}"]
+    pinned = cri.run("one", [guaranteed("only", command=FIRST_LINE)])
+    assert cri.wait_logs(pinned["only"], 1) == ["Cpus_allowed_list:\t1"]
+    # Nothing is left for a second exclusive CPU: refused, through CRI, with our reason.
+    pod_id = cri.run_pod(PodSpec("greedy", qos="guaranteed"))
+    with pytest.raises(CRIError) as err:
+        cri.create_container(pod_id, guaranteed("two", 1))
+    assert "asks for 1 exclusive CPUs" in str(err.value) and "none" in str(err.value)
+    assert daemon.records("refuse")
+    shares = check_agreement(daemon, cri)
+    assert shares == {"half": "0", "b": "0", "e": "0", "only": "1"}
+
+
+def test_update_container_resources_does_not_undo_pinning(containerd, cri, daemon):
+    pod = cri.run("keep", [guaranteed("pinned")])
+    cri.update_resources(pod["pinned"], cpuset_cpus=ALL, cpu_limit_milli=1000)
+    assert host.read_cgroup(cri.cgroup_path(pod["pinned"]), "cpuset.cpus") == "1"
+    check_agreement(daemon, cri)
+
+
+def test_survives_kill_9_and_restarts(containerd, cri, daemon, tmp_path):
+    shared = cri.run("shared", [burstable("s")])
+    first = cri.run("first", [guaranteed("a")])
+    check_agreement(daemon, cri)
+
+    daemon.kill9()  # 1. the daemon dies; a container exits while it is away
+    cri.stop(first["a"])
+    daemon.start()
+    assert check_agreement(daemon, cri) == {"s": ALL}
+
+    second = cri.run("second", [guaranteed("b")])  # 2. the freed CPU is usable again
+    assert check_agreement(daemon, cri)["b"] == "1"
+
+    containerd.restart()  # 3. containerd restarts under the running daemon
+    daemon.wait_synchronized()
+    cri.reconnect()
+    check_agreement(daemon, cri)
+
+    daemon.stop()  # 4. the state file is deleted while the daemon is down
+    (tmp_path / "state" / "state.json").unlink()
+    daemon.start()
+    assert check_agreement(daemon, cri) == {"s": "0", "b": "1"}  # adopted, not moved
+
+    daemon.stop()  # 5. ... or corrupted
+    (tmp_path / "state" / "state.json").write_text('{"version": 1, "assignments": {"x": ')
+    daemon.start()
+    assert daemon.new_records("state-rebuild")
+    assert list((tmp_path / "state").glob("state.json.bad-*"))
+    assert check_agreement(daemon, cri) == {"s": "0", "b": "1"}
+    cri.stop(second["b"])
+    assert check_agreement(daemon, cri) == {"s": ALL}
+    assert shared  # keeps the fixture's pod referenced for readability
+
+
+def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_containerd, tmp_path):
+    """containerd 1.7 sends a launched plugin no Synchronize: the state file carries the
+    assignments and the shared containers across the plugin's restart."""
+    containerd = make_containerd(start=False)
+    state_dir = tmp_path / "state"
+    launcher = containerd.plugin_path / "10-cpuplugin"
+    launcher.parent.mkdir(parents=True, exist_ok=True)
+    launcher.write_text(
+        f"#!/bin/sh\ncd {REPO}\nexec {sys.executable} -m nri_cpuplugin.cli run "
+        f"2>>{tmp_path / 'launched.log'}\n"
+    )
+    launcher.chmod(0o755)
+    containerd.plugin_config_path.mkdir(parents=True, exist_ok=True)
+    (containerd.plugin_config_path / "10-cpuplugin.conf").write_text(
+        f'reserved_cpus = "0"\nstate_dir = "{state_dir}"\n'
+    )
+    containerd.start()
+    cri = containerd.cri()
+    shared = cri.run("shared", [burstable("s")])
+    pinned = cri.run("pinned", [guaranteed("p", command=FIRST_LINE)])
+    assert cri.wait_logs(pinned["p"], 1) == ["Cpus_allowed_list:\t1"]
+    containerd.restart()  # the launched plugin dies with containerd and is launched again
+    cri.reconnect()
+    pod_id = cri.run_pod(PodSpec("late", qos="guaranteed"))
+    with pytest.raises(CRIError, match="exclusive"):  # CPU 1 is still known to be taken
+        cri.create_container(pod_id, guaranteed("x"))
+    cri.stop(pinned["p"])  # and the shared container still follows the pool
+    pid = cri.inspect(shared["s"]).pid
+    wait_for("the shared container to get CPU 1 back", lambda: host.cpus_allowed_list(pid) == ALL)
+    state = json.loads((state_dir / "state.json").read_text())
+    assert state["assignments"] == {} and shared["s"] in state["sharing"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_state(tmp_path):
+    yield
+    shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def test_agreement_helper_catches_a_disagreement(containerd, cri, daemon):
+    """The checker above must be able to fail: break a cgroup behind the plugin's back."""
+    pod = cri.run("victim", [guaranteed("v")])
+    path = cri.cgroup_path(pod["v"])
+    Path(host.cgroup_dir(path), "cpuset.cpus").write_text("0")
+    with pytest.raises(AssertionError, match="cgroup has 0, state says 1"):
+        check_agreement(daemon, cri)

@@ -1,0 +1,136 @@
+"""cgroupfs writers against this machine's real cgroup v1 cpuset and cpu hierarchies.
+
+Each test works in a private top cgroup with ``sleep`` processes in it (removed afterwards,
+processes by pid).  v1 enforces its rules at write time (child ⊆ parent, no shrinking a parent
+below a child), so a wrong write order fails here with the kernel's own errno.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import host
+from harness.runc import CgroupSandbox
+
+from nri_cpuplugin import cgroupfs
+from nri_cpuplugin.cgroupfs import CgroupError, CgroupFS, Transaction
+from nri_cpuplugin.cpuset import CPUSet
+
+C = CPUSet.parse
+LAST = str(host.online_cpus()[-1])
+
+
+@pytest.fixture
+def box() -> Iterator[CgroupSandbox]:
+    if os.geteuid() != 0:
+        pytest.fail("cgroup v1 tests write cgroupfs and need root", pytrace=False)
+    with CgroupSandbox() as sandbox:
+        yield sandbox
+
+
+@pytest.fixture
+def fs() -> Iterator[CgroupFS]:
+    layout = cgroupfs.detect()
+    if layout.version != cgroupfs.V1:
+        pytest.fail(f"this test needs cgroup v1 cpusets; the host has v{layout.version}")
+    with CgroupFS(layout) as opened:
+        yield opened
+
+
+def _write(d: Path, name: str, value: str) -> None:
+    (d / name).write_text(value)
+
+
+def _read(d: Path, name: str) -> str:
+    return (d / name).read_text().strip()
+
+
+def _spawn_in(box: CgroupSandbox, cgroup: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["sleep", "100000"])
+    box._procs[f"extra-{proc.pid}"] = proc  # killed by the sandbox's teardown
+    _write(box.cpuset_dir(cgroup), "cgroup.procs", str(proc.pid))
+    return proc
+
+
+def test_parent_grows_before_the_child(box: CgroupSandbox, fs: CgroupFS) -> None:
+    pod, ctr = f"{box.top}/kubepods/pod1", f"{box.top}/kubepods/pod1/ctr"
+    box.make_cgroup(ctr)
+    proc = _spawn_in(box, ctr)
+    # Narrow the pod to CPU 0 (children first, as v1 demands), then ask for the last CPU.
+    _write(box.cpuset_dir(ctr), "cpuset.cpus", "0")
+    _write(box.cpuset_dir(pod), "cpuset.cpus", "0")
+    with Transaction(fs) as tx:
+        assert cgroupfs.set_cpuset(tx, ctr, C(LAST))
+    assert _read(box.cpuset_dir(pod), "cpuset.cpus") == str(C("0") | C(LAST))
+    assert _read(box.cpuset_dir(ctr), "cpuset.cpus") == LAST
+    assert host.cpus_allowed_list(proc.pid) == LAST
+
+
+def test_nested_children_shrink_before_the_container(box: CgroupSandbox, fs: CgroupFS) -> None:
+    ctr = f"{box.top}/kubepods/pod2/ctr"
+    nested = f"{ctr}/inner"
+    box.make_cgroup(nested)
+    proc = _spawn_in(box, nested)
+    # Writing the container first would fail with EBUSY (a child would no longer fit).
+    with Transaction(fs) as tx:
+        cgroupfs.set_cpuset(tx, ctr, C(LAST))
+        order = [path for _, path, _, _ in tx.done]
+    assert order == [nested, ctr]
+    assert _read(box.cpuset_dir(nested), "cpuset.cpus") == LAST
+    assert host.cpus_allowed_list(proc.pid) == LAST
+    # And back: the container grows first, then its child.
+    with Transaction(fs) as tx:
+        cgroupfs.set_cpuset(tx, ctr, C("0-" + LAST))
+    assert host.cpus_allowed_list(proc.pid) == f"0-{LAST}"
+
+
+def test_kernel_refusal_rolls_back_earlier_writes(box: CgroupSandbox, fs: CgroupFS) -> None:
+    a, b = f"{box.top}/kubepods/pa/a", f"{box.top}/kubepods/pb/b"
+    box.make_cgroup(a)
+    box.make_cgroup(b)
+    _spawn_in(box, a)
+    before = _read(box.cpuset_dir(a), "cpuset.cpus")
+    offline = str(max(host.online_cpus()) + 64)  # no such CPU: the kernel says EINVAL/EACCES
+    tx = Transaction(fs)
+    with pytest.raises(CgroupError, match="writing") as err, tx:
+        cgroupfs.set_cpuset(tx, a, C("0"))
+        cgroupfs.set_cpuset(tx, b, C(offline))
+    assert "cpuset.cpus" in str(err.value)
+    assert _read(box.cpuset_dir(a), "cpuset.cpus") == before
+    assert tx.rollback_errors == []
+
+
+def test_populated_looks_below_the_container(box: CgroupSandbox, fs: CgroupFS) -> None:
+    ctr = f"{box.top}/kubepods/pod3/ctr"
+    box.make_cgroup(f"{ctr}/inner")
+    assert not fs.populated(ctr)
+    _spawn_in(box, f"{ctr}/inner")
+    assert fs.populated(ctr)
+
+
+def test_lift_quota_v1(box: CgroupSandbox, fs: CgroupFS) -> None:
+    if box.cpu_root is None:
+        pytest.fail("no v1 cpu hierarchy mounted")
+    ctr = f"{box.top}/kubepods/pod4/ctr"
+    box.make_cgroup(ctr)
+    _write(box.cpu_dir(ctr), "cpu.cfs_quota_us", "50000")
+    tx = Transaction(fs)
+    assert cgroupfs.lift_quota(tx, ctr)
+    assert _read(box.cpu_dir(ctr), "cpu.cfs_quota_us") == "-1"
+    assert tx.rollback() == []
+    assert _read(box.cpu_dir(ctr), "cpu.cfs_quota_us") == "50000"
+
+
+def test_read_proc_cgroup_of_a_process_in_a_container(box: CgroupSandbox) -> None:
+    ctr = f"{box.top}/kubepods/pod5/ctr"
+    box.make_cgroup(ctr)
+    proc = _spawn_in(box, ctr)
+    _write(box.cpu_dir(ctr), "cgroup.procs", str(proc.pid))
+    got = cgroupfs.read_proc_cgroup(proc.pid, cgroupfs.detect())
+    assert got == cgroupfs.ContainerCgroups(ctr, ctr)
+    with pytest.raises(CgroupError, match="does not exist"):
+        cgroupfs.read_proc_cgroup(2**22 + 1, cgroupfs.detect())

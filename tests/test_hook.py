@@ -1,0 +1,370 @@
+"""The OCI hook program against real cgroup v1 on this machine, with fake containers.
+
+A fake container is what a runtime has made by the time it runs createRuntime hooks: a cgroup
+(kubelet-shaped path in a private top cgroup) with the container's process in it, and a bundle
+with config.json.  The hook runs as the runtimes run it: its executable, its args, an exact
+environment, the OCI state on stdin.  Real runc and podman are in tests/e2e/test_hook_*.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import host
+from harness.runc import CgroupSandbox, pod
+
+from nri_cpuplugin import oci
+from nri_cpuplugin.hook import RECORDS_DIR
+from nri_cpuplugin.policy import EXCLUSIVE_ANNOTATION
+from nri_cpuplugin.state import NodeState
+from nri_cpuplugin.store import StateStore
+
+ALL = f"0-{host.online_cpus()[-1]}"
+LAST = str(host.online_cpus()[-1])
+
+
+@pytest.fixture
+def box() -> Iterator[CgroupSandbox]:
+    if os.geteuid() != 0:
+        pytest.fail("hook tests write cgroupfs and need root", pytrace=False)
+    if len(host.online_cpus()) < 2:
+        pytest.fail("hook tests need at least 2 online CPUs (one reserved, one exclusive)")
+    with CgroupSandbox() as sandbox:
+        yield sandbox
+
+
+def state_of(box: CgroupSandbox) -> NodeState:
+    result = StateStore(box.state_dir).peek()
+    assert result.state is not None, result.problem
+    return result.state
+
+
+# --- placing and releasing -------------------------------------------------------------------
+
+
+def test_exclusive_container_pinned_and_shared_moved_in_the_same_run(box: CgroupSandbox) -> None:
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    assert box.hook(web).returncode == 0
+    assert box.affinity(web) == ALL
+
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    result = box.hook(db)
+    assert result.returncode == 0, result.stderr
+    assert box.affinity(db) == LAST
+    assert box.affinity(web) == "0"  # moved off the exclusive CPU by the same run
+    assert box.quota(db) == "-1"  # CFS quota lifted, as the NRI path does
+    allocate = next(r for r in result.records if r["ACTION"] == "allocate")
+    assert allocate["CPUS"] == LAST and allocate["CONTAINER_ID"] == db.id
+    assert "LOCK_WAIT_MS" in allocate
+    state = state_of(box)
+    assert str(state.assignments[db.id].cpus) == LAST
+    assert state.assignments[db.id].pod_name == "db"
+    assert set(state.sharing) == {web.id}
+    assert box.problems([web, db]) == []
+
+
+def test_poststop_gives_the_cpu_back(box: CgroupSandbox) -> None:
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0
+    assert box.hook(db).returncode == 0
+    box.stop(db)
+    result = box.hook(db, stage="poststop")
+    assert result.returncode == 0, result.stderr
+    assert "release" in result.actions()
+    assert box.affinity(web) == ALL
+    state = state_of(box)
+    assert not state.assignments and str(state.shared) == ALL
+    assert box.problems([web]) == []
+
+
+def test_stage_is_read_from_the_state_status(box: CgroupSandbox) -> None:
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db.state_json("creating"), stage=None).returncode == 0
+    assert db.id in state_of(box).assignments
+    box.stop(db)
+    assert box.hook(db.state_json("stopped"), stage=None).returncode == 0
+    assert not state_of(box).assignments
+    result = box.hook(db.state_json("running"), stage=None)
+    assert result.returncode == 2 and "cannot tell the hook stage" in result.reason_lines[-1]
+
+
+def test_missed_poststop_is_repaired_by_the_next_run(box: CgroupSandbox) -> None:
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0
+    assert box.hook(db).returncode == 0
+    box.stop(db)  # gone without poststop (CRI-O runs it only at RemoveContainer)
+    db2 = box.add(pod("db2"), "db", millicores=1000, limit=1000)
+    result = box.hook(db2)
+    assert result.returncode == 0, result.stderr
+    assert box.affinity(db2) == LAST
+    assert box.problems([web, db2]) == []
+
+
+def test_exited_container_with_its_cgroup_still_there_is_stale(box: CgroupSandbox) -> None:
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db).returncode == 0
+    box.stop(db, remove_cgroup=False)  # dead, not yet deleted by the runtime
+    other = box.add(pod("other"), "x", millicores=1000, limit=1000)
+    assert box.hook(other).returncode == 0
+    assert box.affinity(other) == LAST
+
+
+def test_restarted_container_gets_its_cpus_back(box: CgroupSandbox) -> None:
+    p = pod("db")
+    first = box.add(p, "db", millicores=1000, limit=1000)
+    keeper = box.add(p, "sidecar", millicores=100)  # keeps the pod alive meanwhile
+    assert box.hook(keeper).returncode == 0
+    assert box.hook(first).returncode == 0
+    box.stop(first)
+    second = box.add(p, "db", millicores=1000, limit=1000)  # kubelet: new id, same name
+    result = box.hook(second)
+    assert result.returncode == 0, result.stderr
+    allocate = next(r for r in result.records if r["ACTION"] == "allocate")
+    assert "previous CPUs back" in allocate["REASON"]
+
+
+def test_second_exclusive_request_is_refused_with_one_line(box: CgroupSandbox) -> None:
+    first = box.add(pod("a"), "a", millicores=1000, limit=1000)
+    assert box.hook(first).returncode == 0
+    before = (box.state_dir / "state.json").read_bytes()
+    second = box.add(pod("b"), "b", millicores=1000, limit=1000)
+    spec_cpus = box.cpus(second)
+    result = box.hook(second)
+    assert result.returncode == 1
+    assert len(result.reason_lines) == 1
+    assert result.reason_lines[0].startswith("nri-cpuplugin: container 'b' of pod default/b")
+    assert "exclusive" in result.reason_lines[0]
+    refuse = [r for r in result.records if r["ACTION"] == "refuse"]
+    assert refuse and refuse[0]["PRIORITY"] == "3" and refuse[0]["CONTAINER_ID"] == second.id
+    assert (box.state_dir / "state.json").read_bytes() == before
+    assert box.cpus(second) == spec_cpus  # untouched: the runtime destroys it next
+    assert not (box.state_dir / RECORDS_DIR / f"{second.id}.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("qos", "millicores", "annotations"),
+    [
+        ("burstable", 1000, {}),
+        ("besteffort", 0, {}),
+        ("guaranteed", 1500, {}),
+        ("guaranteed", 1000, {EXCLUSIVE_ANNOTATION: "false"}),
+    ],
+    ids=["burstable", "besteffort", "fractional", "opted-out"],
+)
+def test_ineligible_containers_share(
+    box: CgroupSandbox, qos: str, millicores: int, annotations: dict[str, str]
+) -> None:
+    c = box.add(pod("p", qos), "c", millicores=millicores, annotations=annotations)
+    result = box.hook(c)
+    assert result.returncode == 0, result.stderr
+    state = state_of(box)
+    assert c.id in state.sharing and not state.assignments
+    assert box.affinity(c) == ALL
+
+
+def test_sandbox_and_non_kubernetes_containers_are_left_alone(box: CgroupSandbox) -> None:
+    pause = box.add(
+        pod("p"),
+        "POD",
+        millicores=1000,
+        annotations={"io.kubernetes.cri-o.ContainerType": "sandbox"},
+    )
+    plain = box.add(pod("q"), "plain", millicores=1000)
+    config = json.loads((plain.bundle / "config.json").read_text())
+    config["annotations"] = {"org.example/other": "1"}
+    (plain.bundle / "config.json").write_text(json.dumps(config))
+    for c in (pause, plain):
+        result = box.hook(c)
+        assert result.returncode == 0, result.stderr
+        assert result.actions() == ["skip"]
+        assert box.affinity(c) == ALL
+    assert not box.state_dir.exists()  # not even the lock was taken
+
+
+def test_status_command_shows_hook_assignments(box: CgroupSandbox) -> None:
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db).returncode == 0
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nri_cpuplugin.cli",
+            "status",
+            "--state-dir",
+            str(box.state_dir),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["state"] == "ok"
+    assert [a["container_id"] for a in report["assignments"]] == [db.id]
+
+
+# --- state file trouble ----------------------------------------------------------------------
+
+
+def test_corrupt_state_is_set_aside_and_rebuilt_from_live_cgroups(box: CgroupSandbox) -> None:
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0
+    assert box.hook(db).returncode == 0
+    (box.state_dir / "state.json").write_text('{"version": 1, "torn')
+    late = box.add(pod("late", "burstable"), "late", millicores=100)
+    result = box.hook(late)
+    assert result.returncode == 0, result.stderr
+    assert "state-rebuild" in result.actions()
+    assert list(box.state_dir.glob("state.json.bad-*"))
+    state = state_of(box)
+    assert str(state.assignments[db.id].cpus) == LAST  # adopted where it runs
+    assert set(state.sharing) == {web.id, late.id}
+    assert box.problems([web, db, late]) == []
+
+
+def test_lock_is_shared_with_the_daemon_and_the_wait_is_bounded(box: CgroupSandbox) -> None:
+    c = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    store = StateStore(box.state_dir)  # the daemon's store: filelock on state.lock
+    with store.locked():
+        result = box.hook(c, args=["--lock-timeout", "0.3"])
+    assert result.returncode == 1
+    assert "timed out after 0.3s waiting for the state lock" in result.reason_lines[-1]
+    assert box.cpus(c) == ALL
+    assert box.hook(c).returncode == 0  # free again
+
+
+def test_hook_waits_for_the_lock_then_proceeds(box: CgroupSandbox) -> None:
+    c = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from nri_cpuplugin.store import StateStore\n"
+            f"with StateStore({str(box.state_dir)!r}).locked():\n"
+            "    print('held', flush=True); time.sleep(0.5)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    result = box.hook(c)
+    holder.wait()
+    assert result.returncode == 0, result.stderr
+    allocate = next(r for r in result.records if r["ACTION"] == "allocate")
+    assert float(allocate["LOCK_WAIT_MS"]) > 100
+
+
+# --- hostile and broken input: clean refusal, nothing written ---------------------------------
+
+
+def _state(**fields: object) -> bytes:
+    doc = {
+        "ociVersion": "1.0.2",
+        "id": "abc",
+        "status": "creating",
+        "pid": 1,
+        "bundle": "/nonexistent",
+    }
+    doc.update(fields)
+    return json.dumps({k: v for k, v in doc.items() if v is not None}).encode()
+
+
+HOSTILE = {
+    "empty": b"",
+    "not-json": b"{not json",
+    "array": b"[1, 2]",
+    "huge": b'{"id": "' + b"a" * (oci.MAX_STATE_BYTES + 10) + b'"}',
+    "id-dotdot": _state(id="../../etc"),
+    "id-slash": _state(id="a/b"),
+    "id-nul": _state(id="abc\u0000def"),
+    "id-long": _state(id="a" * 129),
+    "id-dot": _state(id=".."),
+    "id-number": _state(id=123),
+    "pid-negative": _state(pid=-5),
+    "pid-string": _state(pid="12"),
+    "bundle-relative": _state(bundle="relative/dir"),
+    "bundle-dotdot": _state(bundle="/tmp/../etc"),
+    "bundle-nul": _state(bundle="/tmp/a\u0000b"),
+    "bundle-missing": _state(bundle="/nonexistent/bundle"),
+}
+
+
+@pytest.mark.parametrize("stdin", HOSTILE.values(), ids=HOSTILE.keys())
+def test_hostile_state_is_refused_cleanly(box: CgroupSandbox, stdin: bytes) -> None:
+    result = box.hook(stdin)
+    assert result.returncode == 2, result.stderr
+    assert len(result.reason_lines) == 1 and result.reason_lines[0].startswith("nri-cpuplugin: ")
+    assert "Traceback" not in result.stderr
+    assert not box.state_dir.exists()
+
+
+def test_pid_outside_the_container_is_refused(box: CgroupSandbox) -> None:
+    c = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    for pid in (1, os.getpid()):  # root cgroup / a cgroup not named after the container
+        result = box.hook(_state(id=c.id, pid=pid, bundle=str(c.bundle)))
+        assert result.returncode == 2
+        assert "cgroup" in result.reason_lines[-1]
+    assert box.cpus(c) == ALL
+    assert not box.state_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "breakage", ["symlink", "not-json", "bad-shares", "annotation-not-string", "directory"]
+)
+def test_broken_config_json_is_refused(box: CgroupSandbox, breakage: str) -> None:
+    c = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    config = c.bundle / "config.json"
+    original = config.read_text()
+    config.unlink()
+    if breakage == "symlink":
+        real = c.bundle / "real.json"
+        real.write_text(original)
+        config.symlink_to(real)
+    elif breakage == "not-json":
+        config.write_text("{")
+    elif breakage == "bad-shares":
+        doc = json.loads(original)
+        doc["linux"]["resources"]["cpu"]["shares"] = "1024"
+        config.write_text(json.dumps(doc))
+    elif breakage == "annotation-not-string":
+        doc = json.loads(original)
+        doc["annotations"]["io.kubernetes.pod.uid"] = 7
+        config.write_text(json.dumps(doc))
+    else:
+        config.mkdir()
+    result = box.hook(c)
+    assert result.returncode == 2, result.stderr
+    assert len(result.reason_lines) == 1
+    assert box.cpus(c) == ALL
+    assert not box.state_dir.exists()
+
+
+def test_hostile_record_files_are_ignored(box: CgroupSandbox, tmp_path: Path) -> None:
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db).returncode == 0
+    records = box.state_dir / RECORDS_DIR
+    (records / "evil.json").write_text(
+        '{"version": 1, "container_id": "evil", "cpuset_cgroup": "/../../etc"}'
+    )
+    outside = tmp_path / "target"
+    outside.write_text("x")
+    (records / "link.json").symlink_to(outside)
+    (records / ".hidden.json").write_text("{}")
+    other = box.add(pod("o", "burstable"), "o", millicores=100)
+    result = box.hook(other)
+    assert result.returncode == 0, result.stderr
+    assert outside.read_text() == "x"
+    assert box.affinity(db) == LAST
+    assert sorted(p.name for p in records.iterdir()) == sorted(
+        [".hidden.json", f"{db.id}.json", f"{other.id}.json"]
+    )
+    assert any("unusable" in r["MESSAGE"] for r in result.records)

@@ -1,0 +1,90 @@
+"""The hook SIGKILLed at every step boundary; the next invocation repairs state and cgroups.
+
+``NRI_CPUPLUGIN_FAULT=<step>`` (test-only, see nri_cpuplugin/hook.py) makes the hook kill
+itself at that boundary.  The runtime then does what runc and crun do when a createRuntime hook
+fails: it destroys the container.  Whatever the hook left behind - a committed assignment for
+a container that never started, shared containers already shrunk, records without state - the
+next invocation must leave the node consistent: state valid, records matching it, and every
+live container's cpuset what the state says.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+from harness import host
+from harness.runc import CgroupSandbox, pod
+
+from nri_cpuplugin.hook import FAULT_ENV, FAULT_STEPS
+
+ALL = f"0-{host.online_cpus()[-1]}"
+LAST = str(host.online_cpus()[-1])
+POSTSTOP_STEPS = ("locked", "loaded", "decided", "committed", "shared-written", "cleaned")
+
+
+@pytest.fixture
+def box() -> Iterator[CgroupSandbox]:
+    if os.geteuid() != 0:
+        pytest.fail("hook tests write cgroupfs and need root", pytrace=False)
+    if len(host.online_cpus()) < 2:
+        pytest.fail("needs 2 online CPUs")
+    with CgroupSandbox() as sandbox:
+        yield sandbox
+
+
+@pytest.mark.parametrize("step", FAULT_STEPS)
+def test_create_killed_at_each_step_is_repaired(box: CgroupSandbox, step: str) -> None:
+    shared = box.add(pod("web", "burstable"), "web", millicores=500)
+    assert box.hook(shared).returncode == 0
+    victim = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    result = box.hook(victim, env={FAULT_ENV: step})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    box.stop(victim)  # the runtime destroys a container whose createRuntime hook failed
+
+    # Next invocation: a shared container.  The pool must be whole again everywhere.
+    late = box.add(pod("late", "burstable"), "late", millicores=100)
+    result = box.hook(late)
+    assert result.returncode == 0, result.stderr
+    assert box.problems([shared, late]) == []
+    assert box.affinity(shared) == ALL
+
+    # And the CPU the dead container was given is free for the next exclusive one.
+    again = box.add(pod("db2"), "db", millicores=1000, limit=1000)
+    result = box.hook(again)
+    assert result.returncode == 0, result.stderr
+    assert box.affinity(again) == LAST
+    assert box.problems([shared, late, again]) == []
+
+
+@pytest.mark.parametrize("step", FAULT_STEPS)
+def test_poststop_killed_at_each_step_is_repaired(box: CgroupSandbox, step: str) -> None:
+    shared = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(shared).returncode == 0
+    assert box.hook(db).returncode == 0
+    box.stop(db)
+    result = box.hook(db, stage="poststop", env={FAULT_ENV: step})
+    if step in POSTSTOP_STEPS:
+        assert result.returncode == -signal.SIGKILL, result.stderr
+    else:  # a boundary poststop never reaches: it just completes
+        assert result.returncode == 0, result.stderr
+
+    late = box.add(pod("late", "burstable"), "late", millicores=100)
+    result = box.hook(late)
+    assert result.returncode == 0, result.stderr
+    assert box.problems([shared, late]) == []
+    assert box.affinity(shared) == ALL
+
+
+def test_repeated_create_for_the_same_container_is_idempotent(box: CgroupSandbox) -> None:
+    """prestart and createRuntime both configured, or a runtime retrying: same answer."""
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db, stage="prestart").returncode == 0
+    result = box.hook(db, stage="createRuntime")
+    assert result.returncode == 0, result.stderr
+    allocate = next(r for r in result.records if r["ACTION"] == "allocate")
+    assert allocate["REASON"] == "already assigned" and allocate["CGROUP_WRITES"] == "0"
+    assert box.problems([db]) == []

@@ -1,0 +1,78 @@
+"""The hook starts once per container: it must not load the NRI stack or other heavy modules.
+
+The hook runs with protobuf, grpc, pyroute2, filelock and asyncio made unimportable
+(``sys.modules[name] = None`` turns any import of them into ImportError), through both entry
+points, on the allocate, refuse and release paths.  Timing is a benchmark
+(tests/bench/bench_hook.py), not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from harness import host
+from harness.runc import CgroupSandbox, hook_env, pod
+
+FORBIDDEN = ("google.protobuf", "grpc", "pyroute2", "filelock", "asyncio", "nri_cpuplugin.nri")
+
+WRAPPER = """
+import json, sys
+for name in {forbidden!r}:
+    sys.modules[name] = None  # importing it now raises ImportError
+entry = sys.argv.pop(1)
+if entry == "cli":
+    from nri_cpuplugin.cli import main
+    code = main(sys.argv[1:])
+else:
+    from nri_cpuplugin.hook import main
+    code = main(sys.argv[1:])
+loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in
+                {{"google", "grpc", "pyroute2", "filelock", "asyncio"}})
+print(json.dumps(loaded))
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def box() -> Iterator[CgroupSandbox]:
+    if os.geteuid() != 0:
+        pytest.fail("hook tests write cgroupfs and need root", pytrace=False)
+    with CgroupSandbox() as sandbox:
+        yield sandbox
+
+
+def _run(box: CgroupSandbox, entry: str, stdin: bytes, stage: str) -> tuple[int, list[str], str]:
+    argv = [sys.executable, "-c", WRAPPER.format(forbidden=FORBIDDEN), entry]
+    if entry == "cli":
+        argv.append("hook")
+    argv += ["--state-dir", str(box.state_dir), "--reserved-cpus", "0", stage]
+    env = dict(item.split("=", 1) for item in hook_env(box.lab))
+    proc = subprocess.run(argv, input=stdin, capture_output=True, env=env, check=False)
+    loaded = json.loads(proc.stdout.decode().strip().splitlines()[-1]) if proc.stdout else None
+    return proc.returncode, loaded, proc.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "entry", ["cli", "hook"], ids=["nri-cpuplugin-hook-subcommand", "nri-cpuplugin-hook-script"]
+)
+def test_hook_paths_do_not_import_heavy_modules(box: CgroupSandbox, entry: str) -> None:
+    if len(host.online_cpus()) < 2:
+        pytest.fail("needs 2 CPUs")
+    first = box.add(pod("a"), "a", millicores=1000, limit=1000)
+    second = box.add(pod("b"), "b", millicores=1000, limit=1000)
+    for container, stage, want in (
+        (first, "createRuntime", 0),  # allocate
+        (second, "createRuntime", 1),  # refuse
+    ):
+        code, loaded, err = _run(box, entry, container.state_json(), stage)
+        assert code == want, err
+        assert loaded == [], f"heavy modules loaded: {loaded}"
+    box.stop(first)
+    code, loaded, err = _run(box, entry, first.state_json("stopped"), "poststop")
+    assert code == 0, err
+    assert loaded == []
