@@ -213,6 +213,21 @@ class Record(NamedTuple):
     cgroups: ContainerCgroups
 
 
+class _View(NamedTuple):
+    """What one run found under the lock, before deciding anything."""
+
+    loaded: NodeState | None  # the stored state, if it could be trusted
+    rebuilt: str | None  # why the stored state was set aside, if it was
+    base: NodeState  # loaded, or an empty state to rebuild on
+    records: dict[str, Record]
+    unusable: dict[str, str]  # record files that could not be read, and why
+    live: list[LiveContainer]
+    stale: list[tuple[str, Decision | None]]  # released because their cgroup is gone/empty
+    released: Decision | None  # the container the runtime says stopped (poststop)
+    repaired: NodeState  # base with all of the above applied
+    notes: tuple[str, ...]
+
+
 class Records:
     """``<state_dir>/hook-containers/<container id>.json``: one small file per placed container.
 
@@ -370,84 +385,48 @@ class Hook:
         store = self.store
         with store.locked():
             self._fault("locked")
-            loaded, rebuilt = self._load(policy)
-            self._fault("loaded")
-            records, problems = self.records.load()
-            for problem in problems.values():
-                self.audit.record("reconcile", problem, WARNING)
-            known = set(records) if loaded is None else _known(loaded)
-            base = loaded or policy.empty_state()
-            state = base
-            released: Decision | None = None
-            if released_id is not None:
-                # Named by the runtime: released as such, not found stale below.
-                released, state = policy.release(state, released_id)
-                known.discard(released_id)
-            live, stale = self._live(fs, known, records)
-            stale_decisions = []
-            for cid in stale:
-                decision, state = policy.release(state, cid)
-                stale_decisions.append((cid, decision))
-            pods = {c.workload.pod_uid for c in live}
-            if workload is not None:
-                pods.add(workload.pod_uid)
-            result = reconcile(policy, state, live, pods)
-            repaired = result.state
-
+            view = self._observe(policy, fs, workload, released_id)
             decision: Decision | None = None
             refusal: PolicyError | None = None
-            new_state = repaired
+            state = view.repaired
             if workload is not None:
                 try:
-                    decision, new_state = policy.admit(repaired, workload)
+                    decision, state = policy.admit(view.repaired, workload)
                 except PolicyError as err:
                     refusal = err
             self._fault("decided")
 
-            targets = {c.workload.container_id: records[c.workload.container_id] for c in live}
+            # Commit, then act.  The record of a newly placed container is written first, so
+            # every container a committed state names can be found again.
+            targets = {
+                c.workload.container_id: view.records[c.workload.container_id] for c in view.live
+            }
             if decision is not None:
-                record = Record(workload, cgroups)
-                self.records.write(record)
-                targets[workload.container_id] = record
+                targets[workload.container_id] = Record(workload, cgroups)
+                self.records.write(targets[workload.container_id])
                 self._fault("recorded")
-            if loaded is None or new_state != loaded:
-                store.commit(new_state)
+            if view.loaded is None or state != view.loaded:
+                store.commit(state)
             self._fault("committed")
-
-            current = {c.workload.container_id: c.cpus for c in live}
+            running_on = {c.workload.container_id: c.cpus for c in view.live}
             try:
-                writes = self._apply(fs, policy, new_state, targets, current, workload)
+                writes = self._apply(fs, policy, state, targets, running_on, workload)
             except CgroupError as err:
-                if decision is not None and new_state != repaired:
-                    # Nothing of the decision is in force: the state must not claim it.
-                    store.commit(repaired)
+                if decision is not None and state != view.repaired:
+                    # Every write was undone: the state must not claim the decision either.
+                    store.commit(view.repaired)
                     self.records.remove(workload.container_id)
                 raise HookFailure(str(err)) from None
 
-            gone = set(stale)
-            if released_id is not None:
-                gone.add(released_id)
-            gone |= {cid for cid in records if cid not in _known(new_state) and cid not in targets}
-            gone |= problems.keys() - _known(new_state)
-            for cid in gone:
+            # Records of containers the state no longer names go last: until the commit above,
+            # the old state still named them.
+            keep = _known(state) | targets.keys()
+            for cid in (view.records.keys() | view.unusable.keys()) - keep:
                 self.records.remove(cid)
             self._fault("cleaned")
             lock_wait = store.lock_wait
 
-        self._report(
-            policy,
-            base,
-            rebuilt,
-            stale_decisions,
-            result.notes,
-            decision,
-            released,
-            workload,
-            released_id,
-            new_state,
-            writes,
-            lock_wait,
-        )
+        self._report(view, decision, workload, released_id, state, writes, lock_wait)
         if refusal is not None:
             raise HookFailure(
                 str(refusal),
@@ -457,6 +436,55 @@ class Hook:
                 **_identity(workload),
             )
         return EXIT_OK
+
+    def _observe(
+        self,
+        policy: StaticPolicy,
+        fs: CgroupFS,
+        workload: Workload | None,
+        released_id: str | None,
+    ) -> _View:
+        """The state as stored, then as the live cgroups say it must be: the container the
+        runtime says stopped is released, every other one whose cgroup is gone or empty too
+        (as stale), and the rest reconciled as after an NRI Synchronize.  A state that had to
+        be set aside is rebuilt from the records of containers still running."""
+        loaded, rebuilt = self._load(policy)
+        self._fault("loaded")
+        records, unusable = self.records.load()
+        for problem in unusable.values():
+            self.audit.record("reconcile", problem, WARNING)
+        known = set(records) if loaded is None else _known(loaded)
+        base = loaded or policy.empty_state()
+        state = base
+        released: Decision | None = None
+        pods = set()
+        if released_id is not None:
+            released, state = policy.release(state, released_id)
+            known.discard(released_id)
+            held = base.assignments.get(released_id)
+            if held is not None:  # its restart may come next: keep what it held for that
+                pods.add(held.pod_uid)
+        live, stale_ids = self._live(fs, known, records)
+        stale = []
+        for cid in stale_ids:
+            gone, state = policy.release(state, cid)
+            stale.append((cid, gone))
+        pods |= {c.workload.pod_uid for c in live}
+        if workload is not None:
+            pods.add(workload.pod_uid)
+        result = reconcile(policy, state, live, pods)
+        return _View(
+            loaded,
+            rebuilt,
+            base,
+            records,
+            unusable,
+            live,
+            stale,
+            released,
+            result.state,
+            result.notes,
+        )
 
     def _load(self, policy: StaticPolicy) -> tuple[NodeState | None, str | None]:
         """(trusted state or None, why it had to be rebuilt) - as the daemon's load_state."""
@@ -561,13 +589,8 @@ class Hook:
 
     def _report(
         self,
-        policy: StaticPolicy,
-        base: NodeState,
-        rebuilt: str | None,
-        stale: list[tuple[str, Decision | None]],
-        notes: tuple[str, ...],
+        view: _View,
         decision: Decision | None,
-        released: Decision | None,
         workload: Workload | None,
         released_id: str | None,
         state: NodeState,
@@ -576,14 +599,23 @@ class Hook:
     ) -> None:
         audit = self.audit
         wait_ms = f"{lock_wait * 1000:.1f}"
-        if rebuilt is not None:
+        if view.rebuilt is not None:
             audit.record(
                 "state-rebuild",
-                f"state file set aside, rebuilt from live cgroups: {rebuilt}",
+                f"state file set aside, rebuilt from live cgroups: {view.rebuilt}",
                 WARNING,
-                reason=rebuilt,
+                reason=view.rebuilt,
             )
-        for cid, gone in stale:
+        if view.released is not None and released_id is not None:
+            audit.record(
+                "release",
+                f"released CPUs {view.released.cpus} of container {released_id[:12]}",
+                container_id=released_id,
+                cpus=view.released.cpus,
+                shared_cpus=state.shared,
+                lock_wait_ms=wait_ms,
+            )
+        for cid, gone in view.stale:
             cpus = f" (frees {gone.cpus})" if gone is not None else ""
             audit.record(
                 "release",
@@ -592,7 +624,7 @@ class Hook:
                 cpus=gone.cpus if gone is not None else None,
                 reason="stale",
             )
-        for note in notes:
+        for note in view.notes:
             audit.record("reconcile", note, reason="hook")
         if decision is not None and workload is not None:
             who = f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}"
@@ -619,22 +651,13 @@ class Hook:
                     DEBUG,
                     **fields,
                 )
-        if released is not None:
-            audit.record(
-                "release",
-                f"released CPUs {released.cpus} of container {released_id[:12]}",
-                container_id=released_id,
-                cpus=released.cpus,
-                shared_cpus=state.shared,
-                lock_wait_ms=wait_ms,
-            )
-        if base.shared != state.shared:
+        if view.base.shared != state.shared:
             audit.record(
                 "shared-resize",
-                f"shared pool {base.shared} -> {state.shared} ({len(state.sharing)} shared "
+                f"shared pool {view.base.shared} -> {state.shared} ({len(state.sharing)} shared "
                 f"containers; {len(writes)} cgroups written)",
                 shared_cpus=state.shared,
-                old_shared_cpus=base.shared,
+                old_shared_cpus=view.base.shared,
             )
 
 

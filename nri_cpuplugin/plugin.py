@@ -9,7 +9,6 @@ that was just made exclusive (kubelet leaves that window open for up to 10 s).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -43,7 +42,6 @@ class CPUPlugin:
         self.audit = audit
         self.stub: Any = None  # set by whoever runs the stub; needed for unsolicited updates
         self.state: NodeState | None = None
-        self.handler_seconds: dict[str, list[float]] = {}
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -127,7 +125,6 @@ class CPUPlugin:
     def synchronize(
         self, pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container]
     ) -> list[pb.ContainerUpdate]:
-        started = time.perf_counter()
         pods = list(pods)
         by_id = {pod.id: pod for pod in pods}
         live = []
@@ -148,13 +145,11 @@ class CPUPlugin:
             shared_cpus=self.state.shared,
         )
         updates = [self._update_for(c.workload.container_id) for c in live]
-        self._timed("synchronize", started)
         return updates
 
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        started = time.perf_counter()
         workload = from_nri(pod, container)
         with self.store.locked():
             try:
@@ -171,7 +166,6 @@ class CPUPlugin:
         updates = []
         if decision.shared_changed:
             updates = self._sibling_updates(exclude=workload.container_id)
-        self._timed("create_container", started)
         return adjust, updates
 
     def update_container(
@@ -188,12 +182,10 @@ class CPUPlugin:
     def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
-        started = time.perf_counter()
         decision = self._release(container.id, pod)
         updates = []
         if decision is not None and decision.shared_changed:
             updates = self._sibling_updates(exclude=container.id)
-        self._timed("stop_container", started)
         return updates
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
@@ -307,10 +299,6 @@ class CPUPlugin:
                 old_shared_cpus=decision.shared_before,
             )
 
-    def _timed(self, handler: str, started: float) -> None:
-        samples = self.handler_seconds.setdefault(handler, [])
-        samples.append(time.perf_counter() - started)
-        del samples[:-10_000]  # bounded: a long-running daemon must not grow
 
 
 def _identity(workload: Workload) -> dict[str, str]:

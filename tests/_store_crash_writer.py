@@ -27,6 +27,10 @@ import sys
 import traceback
 import uuid
 
+# store.py imports filelock on first use (the OCI hook never pays for it); load it here, before
+# forking, like everything else the writers run.
+import filelock  # noqa: F401
+
 from nri_cpuplugin.cpuset import CPUSet
 from nri_cpuplugin.state import Assignment, NodeState
 from nri_cpuplugin.store import StateStore

@@ -15,7 +15,7 @@ from nri_cpuplugin.nri.stub import Stub
 from .stats import summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_runtime import FakeRuntime  # noqa: E402
+from fake_runtime import FakeRuntime
 
 
 def realistic_pod(i: int = 0) -> pb.PodSandbox:
@@ -129,3 +129,34 @@ def bench_synchronize(n_containers: int = 1000, rounds: int = 20) -> dict:
         asyncio.run(run(Path(tmp) / "nri.sock"))
     chunks = -(-2 * n_containers // chunk)
     return {"state_bytes": total, "chunks": chunks, "containers": n_containers, **summary(samples)}
+
+
+def bench_plugin_handlers(rounds: int = 500) -> dict:
+    """The CPU plugin's own CreateContainer and StopContainer handlers (policy, durable state
+    commit with fsync, audit record, reply), on this machine's topology, with one shared
+    neighbour to update each time."""
+    from nri_cpuplugin.audit import Audit
+    from nri_cpuplugin.config import Settings
+    from nri_cpuplugin.plugin import CPUPlugin
+
+    samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        plugin = CPUPlugin(Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None))
+        plugin.configure("", "bench", "v0")
+        burstable = realistic_pod(1)
+        burstable.linux.cgroup_parent = f"/kubepods/burstable/pod{burstable.uid}"
+        plugin.create_container(burstable, realistic_container(burstable, 1))
+        pod = realistic_pod(2)
+        for i in range(rounds):
+            container = realistic_container(pod, 10 + i)
+            container.linux.resources.cpu.shares.value = 1024
+            container.linux.resources.cpu.quota.value = 100000
+            start = time.perf_counter()
+            adjust, updates = plugin.create_container(pod, container)
+            samples["create_container"].append(time.perf_counter() - start)
+            assert adjust.linux.resources.cpu.cpus and updates
+            start = time.perf_counter()
+            plugin.stop_container(pod, container)
+            samples["stop_container"].append(time.perf_counter() - start)
+            plugin.remove_container(pod, container)
+    return {name: summary(values) for name, values in samples.items()}

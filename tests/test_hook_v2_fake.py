@@ -1,0 +1,235 @@
+"""The hook, in process, on a FAKE cgroup v2 tree, a fake /proc and a generated 48-CPU sysfs.
+
+Same node and the same two containers as tests/test_plugin.py's first test: the hook must
+reach exactly the decision the NRI plugin reaches (db gets CPUs 1,25 on NUMA node 0, CFS quota
+lifted; the shared container shrinks to 0,2-24,26-47), and write it as cgroup v2 files.
+The fake's ``cpuset.cpus.effective`` files hold what the kernel would report (plain files
+cannot compute it); a wrong one shows that the read-back catches it and rolls back.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from test_cgroupfs_v2_fake import FakeV2
+from topologies import build
+
+from nri_cpuplugin import hook, oci
+from nri_cpuplugin.audit import Audit
+from nri_cpuplugin.config import Settings
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.workload import from_nri
+
+
+class Node:
+    def __init__(self, tmp_path: Path) -> None:
+        self.sysfs, _ = build("xeon-e5-2680v3-2s", tmp_path)
+        self.fake = FakeV2(tmp_path / "fake-cgroup2")
+        self.proc = tmp_path / "fake-proc"
+        self.bundles = tmp_path / "bundles"
+        self.state_dir = tmp_path / "state"
+        self.records: list[dict[str, str]] = []
+        self.next_pid = 1000
+
+    def container(self, cid: str, qos: str, milli: int, pod_uid: str) -> tuple[int, str]:
+        """A fake container: its cgroup, its process's /proc/<pid>/cgroup, its bundle."""
+        parent = "kubepods" if qos == "guaranteed" else f"kubepods/{qos}"
+        cgroup = f"/{parent}/pod{pod_uid}/{cid}"
+        self.fake.mk(
+            cgroup, effective="0-47", mems_effective="0-1", cpu_max=f"{milli * 100} 100000"
+        )
+        self.next_pid += 1
+        (self.proc / str(self.next_pid)).mkdir(parents=True)
+        (self.proc / str(self.next_pid) / "cgroup").write_text(f"0::{cgroup}\n")
+        bundle = self.bundles / cid
+        bundle.mkdir(parents=True)
+        annotations = {
+            "io.kubernetes.pod.uid": pod_uid,
+            "io.kubernetes.pod.name": pod_uid.removeprefix("uid-"),
+            "io.kubernetes.pod.namespace": "ns",
+            "io.kubernetes.container.name": cid,
+        }
+        cpu = {"shares": max(2, milli * 1024 // 1000), "quota": milli * 100, "period": 100000}
+        (bundle / "config.json").write_text(
+            json.dumps({"annotations": annotations, "linux": {"resources": {"cpu": cpu}}})
+        )
+        return self.next_pid, cgroup
+
+    def hook(self, cid: str, pid: int | None, stage: str = "createRuntime") -> tuple[int, str]:
+        state = {
+            "ociVersion": "1.0.2",
+            "id": cid,
+            "status": "creating",
+            "bundle": str(self.bundles / cid),
+        }
+        if pid is not None:
+            state["pid"] = pid
+        settings = Settings(
+            sysfs=str(self.sysfs), state_dir=str(self.state_dir), reserved_cpu_count=2
+        )
+        options = hook.Options(stage=stage, cgroup_root=str(self.fake.root), proc=str(self.proc))
+        err = io.StringIO()
+        code = hook.run(
+            settings,
+            options,
+            io.BytesIO(json.dumps(state).encode()),
+            err,
+            Audit(self.records.append),
+        )
+        return code, err.getvalue()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+def test_same_decision_as_the_nri_plugin_written_as_v2_files(node: Node) -> None:
+    web_pid, web = node.container("nginx", "burstable", 500, "uid-web")
+    assert node.hook("nginx", web_pid) == (0, "")
+    assert node.fake.read(web, "cpuset.cpus") == "0-47"
+
+    db_pid, db = node.container("postgres", "guaranteed", 2000, "uid-db")
+    # What the kernel will report once the writes are done.
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0,2-24,26-47\n")
+    assert node.hook("postgres", db_pid) == (0, "")
+
+    assert node.fake.read(db, "cpuset.cpus") == "1,25"  # as tests/test_plugin.py
+    assert node.fake.read(db, "cpuset.mems") == "0"
+    assert node.fake.read(db, "cpu.max") == "max 100000"
+    assert node.fake.read(web, "cpuset.cpus") == "0,2-24,26-47"
+    # Fresh v2 ancestors inherit (empty cpuset.cpus): never written.
+    assert node.fake.read("kubepods", "cpuset.cpus") == ""
+    state = StateStore(node.state_dir).peek().state
+    assert str(state.assignments["postgres"].cpus) == "1,25"
+    allocate = next(r for r in node.records if r["ACTION"] == "allocate")
+    assert allocate["CPUS"] == "1,25" and allocate["POD_NAME"] == "db"
+
+
+def test_effective_mismatch_rolls_back_and_state_does_not_claim_it(node: Node) -> None:
+    web_pid, web = node.container("nginx", "burstable", 500, "uid-web")
+    assert node.hook("nginx", web_pid)[0] == 0
+    db_pid, db = node.container("postgres", "guaranteed", 2000, "uid-db")
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0,2-24,26-47\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    # cpuset.cpus.effective stays 0-47: the kernel did not apply 1,25.
+    code, err = node.hook("postgres", db_pid)
+    assert code == 1
+    assert err.count("\n") == 1 and "kernel applied" in err and "rolled back" in err
+    assert node.fake.read(web, "cpuset.cpus") == "0-47"  # the sibling's shrink undone
+    assert node.fake.read(db, "cpuset.mems") == ""
+    assert node.fake.read(db, "cpu.max") == "200000 100000"
+    state = StateStore(node.state_dir).peek().state
+    assert not state.assignments and set(state.sharing) == {"nginx"}
+    assert not (node.state_dir / hook.RECORDS_DIR / "postgres.json").exists()
+
+
+def test_poststop_on_v2_grows_the_shared_container_back(node: Node) -> None:
+    web_pid, web = node.container("nginx", "burstable", 500, "uid-web")
+    node.hook("nginx", web_pid)
+    db_pid, db = node.container("postgres", "guaranteed", 2000, "uid-db")
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0,2-24,26-47\n")
+    assert node.hook("postgres", db_pid)[0] == 0
+    # The runtime deleted it: no process, its cgroup empty.
+    (node.fake.root / db.strip("/") / "cgroup.events").write_text("populated 0\n")
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0-47\n")
+    assert node.hook("postgres", None, stage="poststop") == (0, "")
+    assert node.fake.read(web, "cpuset.cpus") == "0-47"
+    assert not StateStore(node.state_dir).peek().state.assignments
+
+
+# --- the Workload: same as the NRI path ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "shares", "quota", "qos", "milli", "limit"),
+    [
+        ("/kubepods/poduid/ctr", 2048, 200000, "guaranteed", 2000, 2000),
+        ("/kubepods/burstable/poduid/ctr", 512, 0, "burstable", 500, None),
+        ("/kubepods/besteffort/poduid/ctr", 2, -1, "besteffort", 0, None),
+        (
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-poduid.slice/crio-c.scope",
+            1536,
+            150000,
+            "burstable",
+            1500,
+            1500,
+        ),
+        (
+            "/kubepods.slice/kubepods-poduid.slice/crio-c.scope/container",
+            1024,
+            -1,
+            "guaranteed",
+            1000,
+            None,
+        ),
+    ],
+)
+def test_workload_matches_the_nri_path(
+    cgroup: str, shares: int, quota: int, qos: str, milli: int, limit: int | None
+) -> None:
+    annotations = {
+        "io.kubernetes.pod.uid": "uid",
+        "io.kubernetes.pod.name": "p",
+        "io.kubernetes.pod.namespace": "ns",
+        "io.kubernetes.container.name": "c",
+        "exclusive-cpus.nri-cpuplugin.io": "false",
+    }
+    state = oci.OCIState("ctr", "creating", 7, "/b", {})
+    config = oci.OCIConfig(annotations, shares, quota, 100000)
+    from_hook = oci.from_oci(state, config, cgroup, oci.kubernetes_identity(annotations))
+
+    sandbox = pb.PodSandbox(id="sb", name="p", uid="uid", namespace="ns")
+    sandbox.linux.cgroup_parent = cgroup.rsplit("/", 1)[0]
+    c = pb.Container(id="ctr", pod_sandbox_id="sb", name="c")
+    c.annotations.update(annotations)
+    c.linux.resources.cpu.shares.value = shares
+    c.linux.resources.cpu.quota.value = quota
+    c.linux.resources.cpu.period.value = 100000
+    from_plugin = from_nri(sandbox, c)
+
+    fields = (
+        "container_id",
+        "container_name",
+        "pod_uid",
+        "pod_name",
+        "pod_namespace",
+        "qos",
+        "cpu_request_milli",
+        "cpu_limit_milli",
+        "kind",
+    )
+    assert [getattr(from_hook, f) for f in fields] == [getattr(from_plugin, f) for f in fields]
+    assert (from_hook.qos, from_hook.cpu_request_milli, from_hook.cpu_limit_milli) == (
+        qos,
+        milli,
+        limit,
+    )
+    assert dict(from_hook.annotations) == dict(from_plugin.annotations)
+
+
+def test_outside_kubepods_is_never_guaranteed() -> None:
+    assert oci.qos_from_cgroup("/libpod_parent/libpod-abc") == "besteffort"
+    assert oci.qos_from_cgroup("/kubepods/podx/abc") == "guaranteed"
+    # The container's own cgroup name does not count: only its parents.
+    assert oci.qos_from_cgroup("/x/kubepods-burstable") == "besteffort"
+
+
+def test_identity_from_containerd_cri_annotations() -> None:
+    annotations = {
+        "io.kubernetes.cri.sandbox-uid": "u",
+        "io.kubernetes.cri.sandbox-name": "p",
+        "io.kubernetes.cri.sandbox-namespace": "ns",
+        "io.kubernetes.cri.container-name": "c",
+    }
+    assert oci.kubernetes_identity(annotations) == ("u", "p", "ns", "c")
+    assert oci.is_sandbox({"io.kubernetes.cri.container-type": "sandbox"})
+    assert oci.kubernetes_identity({"io.kubernetes.pod.uid": "u"}) is None
