@@ -136,6 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         await stub.run()
 
     asyncio.run(serve())
+    plugin.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")
     return 0
 
 

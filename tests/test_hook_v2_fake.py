@@ -20,6 +20,7 @@ from topologies import build
 from nri_cpuplugin import hook, oci
 from nri_cpuplugin.audit import Audit
 from nri_cpuplugin.config import Settings
+from nri_cpuplugin.cpuset import CPUSet
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.store import StateStore
 from nri_cpuplugin.workload import from_nri
@@ -233,3 +234,19 @@ def test_identity_from_containerd_cri_annotations() -> None:
     assert oci.kubernetes_identity(annotations) == ("u", "p", "ns", "c")
     assert oci.is_sandbox({"io.kubernetes.cri.container-type": "sandbox"})
     assert oci.kubernetes_identity({"io.kubernetes.pod.uid": "u"}) is None
+
+
+def test_topology_is_cached_per_boot_and_cpu_sets(tmp_path: Path) -> None:
+    root, expected = build("xeon-e5-2680v3-2s", tmp_path)
+    state_dir = str(tmp_path / "state")
+    assert hook.cached_topology(str(root), state_dir) == expected
+    # A change discover() would see, but not one that can happen without the online, present
+    # or isolated sets changing: the cache answers.
+    cpu_dir = root / "devices/system/cpu"
+    (cpu_dir / "cpu1/topology/physical_package_id").write_text("1\n")
+    assert hook.cached_topology(str(root), state_dir) == expected
+    (cpu_dir / "isolated").write_text("47\n")  # now the key differs: discovered again
+    fresh = hook.cached_topology(str(root), state_dir)
+    assert fresh.by_id[1].socket == 1 and fresh.isolated == CPUSet({47})
+    (tmp_path / "state" / hook.TOPOLOGY_CACHE).write_text('{"key": "torn')
+    assert hook.cached_topology(str(root), state_dir) == fresh

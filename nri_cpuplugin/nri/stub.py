@@ -229,7 +229,8 @@ class Stub:
             writer.close()
             self._pending.clear()
             self._conn = self._writer = None
-            await self._call_plugin("connection_lost")
+            if not self._stopping.is_set():  # our own shutdown is not a lost connection
+                await self._call_plugin("connection_lost")
 
     async def _register(self) -> None:
         request = pb.RegisterPluginRequest(plugin_name=self.name, plugin_idx=self.index)

@@ -32,8 +32,11 @@ class Daemon:
     """The CPU plugin daemon; audit records (JSON lines on stderr, no journal here) tell what
     it decided."""
 
-    def __init__(self, socket: Path, state_dir: Path, reserved: str = "0") -> None:
+    def __init__(
+        self, socket: Path, state_dir: Path, reserved: str = "0", journal: str = "/nonexistent"
+    ) -> None:
         self.socket = socket
+        self.journal = journal
         self.state_dir = state_dir
         self.reserved = reserved
         self.log = state_dir.parent / f"{state_dir.name}-daemon.log"
@@ -61,7 +64,7 @@ class Daemon:
             stdout=self._output,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={"PATH": "/usr/bin:/bin", "NRI_CPUPLUGIN_JOURNAL_SOCKET": "/nonexistent"},
+            env={"PATH": "/usr/bin:/bin", "NRI_CPUPLUGIN_JOURNAL_SOCKET": self.journal},
         )
         if wait:
             self.wait_synchronized()
