@@ -124,7 +124,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     plugin = CPUPlugin(base, Audit(), flags)
-    stub = Stub.from_environment(plugin, settings.nri_name, settings.nri_index, settings.nri_socket)
+    stub = Stub.from_environment(
+        plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
+        observe=plugin.observe_request,
+    )  # fmt: skip
     plugin.stub = stub
     if stub.launched_fd is None:
         plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
@@ -133,6 +136,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stub.stop)
+        if stub.launched_fd is None:
+            await plugin.start_metrics()  # launched: once the runtime's config is known
         await stub.run()
 
     asyncio.run(serve())

@@ -548,24 +548,27 @@ class Hook:
         # it already was.
         others.sort(key=lambda p: (not (running_on.get(p[0], CPUSet()) - p[2]), p[0]))
         written: list[str] = []
-        with Transaction(fs) as tx:
-            for step in (others, mine):
-                for cid, record, cpus, mems, lift in step:
-                    try:
-                        if _place(tx, record, cpus, mems, lift):
-                            written.append(f"{cid[:12]}={cpus}")
-                    except CgroupError as err:
-                        # A sibling exiting right now must not fail this container (as the
-                        # NRI path's ignore_failure); the next run reconciles it away.
-                        if cid != current_id and not _still_running(fs, record):
-                            continue
-                        raise CgroupError(
-                            f"{err}; rolled back {len(tx.done)} earlier cgroup writes"
-                        ) from None
-                if step is others:
-                    self._fault("shared-written")
-                elif current is not None:
-                    self._fault("container-written")
+        tx = Transaction(fs)
+        for step in (others, mine):
+            for cid, record, cpus, mems, lift in step:
+                try:
+                    if _place(tx, record, cpus, mems, lift):
+                        written.append(f"{cid[:12]}={cpus}")
+                except CgroupError as err:
+                    # A sibling exiting right now must not fail this container (as the NRI
+                    # path's ignore_failure); the next run finds it stale.
+                    if cid != current_id and not _still_running(fs, record):
+                        continue
+                    undone = len(tx.done)
+                    failed = tx.rollback()
+                    message = f"{err}; rolled back {undone} earlier cgroup writes"
+                    if failed:
+                        message += f", {len(failed)} of which failed: {'; '.join(failed)}"
+                    raise CgroupError(message) from None
+            if step is others:
+                self._fault("shared-written")
+            elif current is not None:
+                self._fault("container-written")
         return written
 
     # --- helpers ---------------------------------------------------------------------------

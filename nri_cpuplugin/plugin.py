@@ -16,6 +16,7 @@ from . import audit as audit_mod
 from .audit import Audit
 from .config import Settings, merge, parse_toml
 from .cpuset import CPUSet
+from .metrics import Metrics, NoMetrics
 from .nri.pb import nri_pb2 as pb
 from .policy import Decision, PolicyError, StaticPolicy
 from .reconcile import LiveContainer, reconcile
@@ -42,6 +43,8 @@ class CPUPlugin:
         self.audit = audit
         self.stub: Any = None  # set by whoever runs the stub; needed for unsolicited updates
         self.state: NodeState | None = None
+        self.metrics: Any = NoMetrics()
+        self._metrics_server: Any = None
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -97,12 +100,29 @@ class CPUPlugin:
 
     def _commit(self, new_state: NodeState) -> None:
         if new_state is not self.state:
-            self.store.commit(new_state)
+            timing = self.store.commit(new_state)
             self.state = new_state
+            self.metrics.observe_commit(timing.total_seconds)
+            self.metrics.observe_state(new_state, self.policy.topology)
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    async def start_metrics(self) -> None:
+        """Serve /metrics if configured (once); safe to call again after reconfiguration."""
+        listen = self.settings.metrics_listen
+        if listen is None or self._metrics_server is not None:
+            return
+        self.metrics = Metrics()
+        self._metrics_server = await self.metrics.serve(listen)
+        if self.state is not None:
+            self.metrics.observe_state(self.state, self.policy.topology)
+
+    def observe_request(self, method: str, seconds: float) -> None:
+        self.metrics.observe_handler(method, seconds)
 
     # --- NRI handlers --------------------------------------------------------------------------
 
-    def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
         self.audit.common["RUNTIME"] = f"{runtime_name} {runtime_version}".strip()
         overrides = (
             parse_toml(config, "plugin config sent by the runtime") if config.strip() else {}
@@ -112,6 +132,9 @@ class CPUPlugin:
             self._build(settings)
         if self.state is None:
             self.load_state()
+        await self.start_metrics()
+        self.metrics.set_connected(True)
+        self.metrics.observe_state(self.state, self.policy.topology)
         self.audit.record(
             "config",
             f"configured by {runtime_name} {runtime_version}: reserved {self.policy.reserved}, "
@@ -155,11 +178,15 @@ class CPUPlugin:
             try:
                 decision, new_state = self.policy.admit(self.state, workload)
             except PolicyError as err:
+                self.metrics.pinning_request()
+                self.metrics.pinning_error()
                 self.audit.record(
                     "refuse", str(err), audit_mod.ERR, reason=str(err), **_identity(workload)
                 )
                 raise
             self._commit(new_state)
+        if decision.exclusive:
+            self.metrics.pinning_request()
         self._audit_decision(decision, workload)
         adjust = pb.ContainerAdjustment()
         self._fill_cpu(adjust.linux.resources.cpu, decision.cpus, decision.mems, decision.exclusive)
@@ -203,6 +230,7 @@ class CPUPlugin:
             self._push_sibling_updates()
 
     def connection_lost(self) -> None:
+        self.metrics.set_connected(False)
         self.audit.record("disconnect", "lost the connection to the runtime", audit_mod.WARNING)
 
     # --- helpers --------------------------------------------------------------------------------
@@ -298,7 +326,6 @@ class CPUPlugin:
                 shared_cpus=decision.shared_after,
                 old_shared_cpus=decision.shared_before,
             )
-
 
 
 def _identity(workload: Workload) -> dict[str, str]:

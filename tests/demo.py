@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from e2e.daemon import Daemon  # noqa: E402
-from harness.containerd import Containerd  # noqa: E402
-from harness.k8s import ContainerSpec  # noqa: E402
+from e2e.daemon import Daemon
+from harness.containerd import Containerd
+from harness.k8s import ContainerSpec
 
 BOLD, DIM, RESET = "\033[1m", "\033[2m", "\033[0m"
 

@@ -368,3 +368,15 @@ def test_hostile_record_files_are_ignored(box: CgroupSandbox, tmp_path: Path) ->
         [".hidden.json", f"{db.id}.json", f"{other.id}.json"]
     )
     assert any("unusable" in r["MESSAGE"] for r in result.records)
+
+
+def test_bad_configuration_fails_with_one_line_and_an_audit_record(box: CgroupSandbox) -> None:
+    c = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    bad = box.dir / "bad.toml"
+    bad.write_text('reserved_cpus = "0"\nno_such_key = 1\n')
+    for args in (["--config", str(box.dir / "missing.toml")], ["--config", str(bad)]):
+        result = box.hook(c, args=args)
+        assert result.returncode == 2, result.stderr
+        assert len(result.reason_lines) == 1 and result.reason_lines[0].startswith("nri-cpuplugin:")
+        assert [r["ACTION"] for r in result.records] == ["hook-config"]
+    assert box.cpus(c) == ALL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -17,9 +18,16 @@ from nri_cpuplugin.policy import PolicyError
 P = CPUSet.parse
 
 
+def configure(plugin: CPUPlugin, config: str, runtime: str, version: str) -> None:
+    asyncio.run(plugin.configure(config, runtime, version))
+
+
 def pod(name: str, qos: str = "guaranteed") -> pb.PodSandbox:
-    parent = {"guaranteed": f"/kubepods/pod{name}", "burstable": f"/kubepods/burstable/pod{name}",
-              "besteffort": f"/kubepods/besteffort/pod{name}"}[qos]
+    parent = {
+        "guaranteed": f"/kubepods/pod{name}",
+        "burstable": f"/kubepods/burstable/pod{name}",
+        "besteffort": f"/kubepods/besteffort/pod{name}",
+    }[qos]
     sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="ns")
     sandbox.linux.cgroup_parent = parent
     return sandbox
@@ -48,7 +56,7 @@ def node(tmp_path):
     records = Records()
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
     plugin = CPUPlugin(settings, Audit(records))
-    plugin.configure("", "containerd", "v2.1.9")
+    configure(plugin, "", "containerd", "v2.1.9")
     return plugin, records
 
 
@@ -115,7 +123,7 @@ def test_state_survives_a_restart_and_restarted_container_keeps_its_cpus(node, t
     plugin.stop_container(db, first)
     # a new daemon on the same state directory (kill -9 and restart)
     again = CPUPlugin(plugin.file_settings, Audit(Records()))
-    again.configure("", "containerd", "v1.7.24")
+    configure(again, "", "containerd", "v1.7.24")
     restarted = container("postgres2", db, 2000)
     restarted.name = "postgres"  # same pod and name, new id
     adjust2, _ = again.create_container(db, restarted)
@@ -134,6 +142,8 @@ def test_synchronize_rebuilds_and_returns_updates_for_everyone(node):
     updates = plugin.synchronize([db, web], containers)
     got = {u.container_id[:8]: cpu_of(u)[0] for u in updates}
     assert got == {"pinned00": "7,31", "unpinned": "1", "shared00": "0,2-6,8-30,32-47"}
+    notes = [r["MESSAGE"] for r in records if r["ACTION"] == "reconcile"]
+    assert any("adopted 7,31" in n for n in notes) and "synchronize" in records.actions()
 
 
 def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
@@ -142,7 +152,7 @@ def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
     state_file.write_text('{"version": 1, "truncated')
     records = Records()
     again = CPUPlugin(plugin.file_settings, Audit(records))
-    again.configure("", "containerd", "v2.1.9")
+    configure(again, "", "containerd", "v2.1.9")
     assert records.actions()[0] == "state-rebuild"
     assert list((tmp_path / "state").glob("state.json.bad-*"))
     assert json.loads(state_file.read_text())["assignments"] == {}
@@ -152,8 +162,8 @@ def test_runtime_config_string_is_applied_and_flags_win(tmp_path):
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "a"))
     plugin = CPUPlugin(settings, Audit(Records()), {"policy_options": ("full-pcpus-only",)})
-    plugin.configure('reserved_cpus = "0-1,24-25"\npolicy_options = []', "containerd", "v1.7")
+    configure(plugin, 'reserved_cpus = "0-1,24-25"\npolicy_options = []', "containerd", "v1.7")
     assert plugin.policy.reserved == P("0-1,24-25")
     assert plugin.policy.options == {"full-pcpus-only"}
     with pytest.raises(ConfigError, match="unknown key 'reserve_cpus'"):
-        plugin.configure("reserve_cpus = 2", "containerd", "v1.7")
+        configure(plugin, "reserve_cpus = 2", "containerd", "v1.7")

@@ -29,6 +29,7 @@ import inspect
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -116,6 +117,7 @@ class Stub:
         index: str,
         socket_path: str | None = None,
         launched_fd: int | None = None,
+        observe: Callable[[str, float], None] | None = None,
     ) -> None:
         if not (len(index) == 2 and index.isdigit()):
             raise ValueError(f"plugin index {index!r} must be two digits, 00-99")
@@ -126,6 +128,7 @@ class Stub:
         self.index = index
         self.socket_path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         self.launched_fd = launched_fd
+        self.observe = observe  # (method, seconds) of every request served: for metrics
         self.events = event_mask(plugin)
         if not self.events:
             # On the wire 0 means "everything", which would make us a validator of every
@@ -159,13 +162,18 @@ class Stub:
 
     @classmethod
     def from_environment(
-        cls, plugin: object, name: str, index: str, socket_path: str | None = None
+        cls,
+        plugin: object,
+        name: str,
+        index: str,
+        socket_path: str | None = None,
+        observe: Callable[[str, float], None] | None = None,
     ) -> Stub:
         """Runtime-launched when NRI_PLUGIN_SOCKET is set (name and index then come from the
         runtime too); otherwise a daemon on ``socket_path``."""
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         if fd is None:
-            return cls(plugin, name, index, socket_path)
+            return cls(plugin, name, index, socket_path, observe=observe)
         if not fd.isdigit():
             raise ValueError(f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number")
         return cls(
@@ -173,6 +181,7 @@ class Stub:
             os.environ.get("NRI_PLUGIN_NAME") or name,
             os.environ.get("NRI_PLUGIN_IDX") or index,
             launched_fd=int(fd),
+            observe=observe,
         )
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -320,6 +329,7 @@ class Stub:
         if request.timeout_ns > 0:
             budget = min(budget, request.timeout_ns / 1e9)
         token = _in_handler.set(True)
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(budget * DEADLINE_SHARE):
                 payload = await handler(request.payload)
@@ -338,6 +348,8 @@ class Stub:
             await self._reply(request.stream_id, payload)
         finally:
             _in_handler.reset(token)
+            if self.observe is not None:
+                self.observe(request.method, time.perf_counter() - started)
         if request.method == "Shutdown":
             self.stop()
 

@@ -142,7 +142,7 @@ def bench_plugin_handlers(rounds: int = 500) -> dict:
     samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         plugin = CPUPlugin(Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None))
-        plugin.configure("", "bench", "v0")
+        asyncio.run(plugin.configure("", "bench", "v0"))
         burstable = realistic_pod(1)
         burstable.linux.cgroup_parent = f"/kubepods/burstable/pod{burstable.uid}"
         plugin.create_container(burstable, realistic_container(burstable, 1))

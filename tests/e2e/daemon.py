@@ -33,9 +33,15 @@ class Daemon:
     it decided."""
 
     def __init__(
-        self, socket: Path, state_dir: Path, reserved: str = "0", journal: str = "/nonexistent"
+        self,
+        socket: Path,
+        state_dir: Path,
+        reserved: str = "0",
+        journal: str = "/nonexistent",
+        config: Path | None = None,
     ) -> None:
         self.socket = socket
+        self.config = config
         self.journal = journal
         self.state_dir = state_dir
         self.reserved = reserved
@@ -60,6 +66,7 @@ class Daemon:
                 self.reserved,
                 "--log-level",
                 "debug",
+                *(["--config", str(self.config)] if self.config else []),
             ],
             stdout=self._output,
             stderr=subprocess.STDOUT,
