@@ -134,7 +134,7 @@ def parse_proc_cgroup(text: str, layout: Layout) -> ContainerCgroups:
         for name in controllers.split(","):
             found.setdefault(name, path)
     if cpuset_key not in found:
-        wanted = "the cgroup v2 line (0::)" if layout.version == V2 else "a cpuset line"
+        wanted = "cgroup v2 line (0::)" if layout.version == V2 else "cpuset line"
         raise CgroupError(f"/proc/<pid>/cgroup has no {wanted}")
     cpuset = found[cpuset_key]
     split_path(cpuset)
@@ -271,14 +271,16 @@ class CgroupFS:
         """Child cgroup paths (directories only; the kernel has no links here)."""
         root = self.root(controller)
         parts = split_path(path)
-        fd = os.open(
-            ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._dir(root, parts)
-        )
+        dir_fd = self._dir(root, parts)
         try:
-            with os.scandir(fd) as entries:
-                names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-        finally:
-            os.close(fd)
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                with os.scandir(fd) as entries:
+                    names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise CgroupError(f"cannot list {os.path.join(root, *parts)}: {err.strerror}") from None
         return [join((*parts, name)) for name in names]
 
     def subtree(self, controller: str, path: str) -> list[str]:

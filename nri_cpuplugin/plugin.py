@@ -16,6 +16,7 @@ from . import audit as audit_mod
 from .audit import Audit
 from .config import Settings, merge, parse_toml
 from .cpuset import CPUSet
+from .liveness import Liveness
 from .metrics import Metrics, NoMetrics
 from .nri.pb import nri_pb2 as pb
 from .policy import Decision, PolicyError, StaticPolicy
@@ -45,6 +46,12 @@ class CPUPlugin:
         self.state: NodeState | None = None
         self.metrics: Any = NoMetrics()
         self._metrics_server: Any = None
+        # Containers known only from the state file, not (yet) confirmed by the runtime.  Until
+        # a Synchronize confirms them, they may have ended unseen: their cgroups are checked.
+        # Containers created in this session are never in here: before StartContainer they
+        # have no cgroup yet, which must not read as "ended".
+        self.unverified: set[str] = set()
+        self.liveness = Liveness()
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -97,6 +104,7 @@ class CPUPlugin:
                 )
             self.store.commit(state)
         self.state = state
+        self.unverified = set(state.assignments) | set(state.sharing)
 
     def _commit(self, new_state: NodeState) -> None:
         if new_state is not self.state:
@@ -159,6 +167,7 @@ class CPUPlugin:
         with self.store.locked():
             result = reconcile(self.policy, self.state, live, [pod.uid for pod in pods])
             self._commit(result.state)
+        self.unverified.clear()
         for note in result.notes:
             self.audit.record("reconcile", note, reason="synchronize")
         self.audit.record(
@@ -174,7 +183,9 @@ class CPUPlugin:
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         workload = from_nri(pod, container)
+        before = self.state.shared
         with self.store.locked():
+            self._forget_ended()
             try:
                 decision, new_state = self.policy.admit(self.state, workload)
             except PolicyError as err:
@@ -191,7 +202,7 @@ class CPUPlugin:
         adjust = pb.ContainerAdjustment()
         self._fill_cpu(adjust.linux.resources.cpu, decision.cpus, decision.mems, decision.exclusive)
         updates = []
-        if decision.shared_changed:
+        if decision.shared_after != before:
             updates = self._sibling_updates(exclude=workload.container_id)
         return adjust, updates
 
@@ -209,11 +220,13 @@ class CPUPlugin:
     def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
-        decision = self._release(container.id, pod)
-        updates = []
-        if decision is not None and decision.shared_changed:
-            updates = self._sibling_updates(exclude=container.id)
-        return updates
+        before = self.state.shared
+        with self.store.locked():
+            self._forget_ended()
+        self._release(container.id, pod)
+        if self.state.shared == before:
+            return []
+        return self._sibling_updates(exclude=container.id)
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
@@ -234,6 +247,24 @@ class CPUPlugin:
         self.audit.record("disconnect", "lost the connection to the runtime", audit_mod.WARNING)
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _forget_ended(self) -> None:
+        """Release unverified containers whose cgroups show they have ended (see liveness.py);
+        the caller holds the lock."""
+        state = self.state
+        for cid in sorted(self.unverified):
+            if cid not in state.assignments and cid not in state.sharing:
+                self.unverified.discard(cid)
+            elif self.liveness.alive(state.cgroups.get(cid, "")) is False:
+                self.unverified.discard(cid)
+                decision, state = self.policy.release(state, cid)
+                self.audit.record(
+                    "reconcile",
+                    f"container {cid[:12]} ended while the runtime could not tell us"
+                    + (f"; released CPUs {decision.cpus}" if decision else ""),
+                    container_id=cid, reason="cgroup gone or empty",
+                )  # fmt: skip
+        self._commit(state)
 
     def _release(self, cid: str, pod: pb.PodSandbox) -> Decision | None:
         with self.store.locked():

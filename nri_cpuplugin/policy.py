@@ -149,6 +149,7 @@ class StaticPolicy:
         state = self._supersede(state, workload)
         shared = self.shared_pool(state.exclusive)
         count, why, isolated = self.eligibility(workload)
+        state = _track_cgroup(state, workload)
         if count is None:
             state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
             decision = Decision(workload.container_id, False, shared, CPUSet(), before, shared, why)
@@ -250,10 +251,11 @@ class StaticPolicy:
         """A container stopped: its CPUs go back to the shared pool and are remembered for its
         restart.  Returns None for containers that held no exclusive CPUs."""
         held = state.assignments.get(container_id)
+        if container_id in state.cgroups:
+            state = state.evolve(cgroups=_without(state.cgroups, container_id))
         if held is None:
             if container_id in state.sharing:
-                sharing = {k: v for k, v in state.sharing.items() if k != container_id}
-                state = state.evolve(sharing=sharing)
+                state = state.evolve(sharing=_without(state.sharing, container_id))
             return None, state
         before = self.shared_pool(state.exclusive)
         assignments = {k: v for k, v in state.assignments.items() if k != container_id}
@@ -271,13 +273,27 @@ class StaticPolicy:
         assignments = {k: v for k, v in state.assignments.items() if v.pod_uid != pod_uid}
         released = {k: v for k, v in state.released.items() if k[0] != pod_uid}
         sharing = {k: v for k, v in state.sharing.items() if v != pod_uid}
-        new_state = state.evolve(assignments=assignments, released=released, sharing=sharing)
+        gone = (set(state.sharing) - set(sharing)) | (set(state.assignments) - set(assignments))
+        cgroups = {k: v for k, v in state.cgroups.items() if k not in gone}
+        new_state = state.evolve(
+            assignments=assignments, released=released, sharing=sharing, cgroups=cgroups
+        )
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 
     def _exclusive(
         self, cid: str, cpus: CPUSet, before: CPUSet, after: CPUSet, reason: str
     ) -> Decision:
         return Decision(cid, True, cpus, self.topology.numa_of(cpus), before, after, reason)
+
+
+def _without(mapping: Mapping[str, str], key: str) -> dict[str, str]:
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+def _track_cgroup(state: NodeState, workload: Workload) -> NodeState:
+    if not workload.cgroup_path:
+        return state
+    return state.evolve(cgroups={**state.cgroups, workload.container_id: workload.cgroup_path})
 
 
 def _describe(workload: Workload) -> str:

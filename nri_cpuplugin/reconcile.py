@@ -89,7 +89,11 @@ def reconcile(
         for c in live
         if c.workload.container_id not in state.assignments
     }
-    return Reconciled(policy.normalized(state.evolve(sharing=sharing)), tuple(notes))
+    cgroups = {
+        c.workload.container_id: c.workload.cgroup_path for c in live if c.workload.cgroup_path
+    }
+    state = state.evolve(sharing=sharing, cgroups=cgroups)
+    return Reconciled(policy.normalized(state), tuple(notes))
 
 
 def _name(workload: Workload) -> str:

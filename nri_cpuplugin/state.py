@@ -67,11 +67,15 @@ class NodeState:
     # Live containers running in the shared pool (id -> pod uid): the ones whose cpuset must
     # follow the pool.  Kept here so a restart without a runtime resync still knows them.
     sharing: Mapping[str, str] = field(default_factory=dict)
+    # Where tracked containers' cgroups are (id -> the runtime's cgroupsPath), so that their
+    # liveness can be checked when the runtime cannot be asked (see liveness.py).
+    cgroups: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignments", _frozen(self.assignments))
         object.__setattr__(self, "released", _frozen(self.released))
         object.__setattr__(self, "sharing", _frozen(self.sharing))
+        object.__setattr__(self, "cgroups", _frozen(self.cgroups))
 
     @cached_property
     def exclusive(self) -> CPUSet:
@@ -109,6 +113,7 @@ def to_document(state: NodeState) -> dict[str, Any]:
             for (uid, name), r in sorted(state.released.items())
         ],
         "sharing": dict(sorted(state.sharing.items())),
+        "cgroups": dict(sorted(state.cgroups.items())),
     }
     body["checksum"] = checksum(body)
     return body
@@ -148,7 +153,8 @@ def decode(data: bytes) -> NodeState:
                 cid: _assignment(cid, entry) for cid, entry in _dict(doc, "assignments").items()
             },
             released=dict(_released(entry) for entry in _list(doc, "released")),
-            sharing=_sharing(_dict(doc, "sharing")),
+            sharing=_strings(_dict(doc, "sharing"), "sharing"),
+            cgroups=_strings(_dict(doc, "cgroups"), "cgroups"),
         )
     except (ValueError, TypeError, KeyError) as err:
         raise StateFormatError(f"malformed field: {err}") from None
@@ -205,10 +211,10 @@ def _released(entry: Any) -> tuple[tuple[str, str], Released]:
     return key, Released(CPUSet.parse(_str(entry, "cpus")), _kind(entry))
 
 
-def _sharing(entries: dict) -> dict[str, str]:
-    for cid, pod_uid in entries.items():
-        if not isinstance(pod_uid, str):
-            raise TypeError(f"sharing[{cid!r}] must be a pod uid string")
+def _strings(entries: dict, key: str) -> dict[str, str]:
+    for cid, value in entries.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{key}[{cid!r}] must be a string")
     return entries
 
 

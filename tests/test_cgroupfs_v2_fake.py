@@ -88,7 +88,7 @@ def test_parse_proc_cgroup_v2_line() -> None:
     assert got == cgroupfs.ContainerCgroups(
         "/kubepods.slice/crio-abc.scope/container", "/kubepods.slice/crio-abc.scope/container"
     )
-    with pytest.raises(CgroupError, match="no the cgroup v2 line"):
+    with pytest.raises(CgroupError, match="no cgroup v2 line"):
         cgroupfs.parse_proc_cgroup("7:cpuset:/a\n", layout)
 
 

@@ -10,13 +10,12 @@ live container's cpuset what the state says.
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterator
 
 import pytest
 from harness import host
-from harness.runc import CgroupSandbox, pod
+from harness.runc import CgroupSandbox, pod, sandbox
 
 from nri_cpuplugin.hook import FAULT_ENV, FAULT_STEPS
 
@@ -27,12 +26,8 @@ POSTSTOP_STEPS = ("locked", "loaded", "decided", "committed", "shared-written", 
 
 @pytest.fixture
 def box() -> Iterator[CgroupSandbox]:
-    if os.geteuid() != 0:
-        pytest.fail("hook tests write cgroupfs and need root", pytrace=False)
-    if len(host.online_cpus()) < 2:
-        pytest.fail("needs 2 online CPUs")
-    with CgroupSandbox() as sandbox:
-        yield sandbox
+    with sandbox() as fake_node:
+        yield fake_node
 
 
 @pytest.mark.parametrize("step", FAULT_STEPS)

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -359,6 +359,20 @@ class CgroupSandbox:
         self._procs.clear()
         _cleanup(self.dir, self.dir, self.top, 10.0)
         return _leftovers(self.dir, self.dir, self.top)
+
+
+@contextlib.contextmanager
+def sandbox(min_cpus: int = 2, lab: Path = debs.LAB) -> Iterator[CgroupSandbox]:
+    """A CgroupSandbox for a test, after removing what killed earlier runs left behind.
+    Raises (the test fails, never skips) when this host cannot run it."""
+    if os.geteuid() != 0:
+        raise RuntimeError("these tests write cgroupfs and need root")
+    if len(host.online_cpus()) < min_cpus:
+        raise RuntimeError(f"these tests need {min_cpus} online CPUs, have {host.online_cpus()}")
+    if stale := reap_stale(lab):
+        raise RuntimeError("leftovers of an earlier run could not be removed:\n" + "\n".join(stale))
+    with CgroupSandbox(lab) as box:
+        yield box
 
 
 # --- runc ------------------------------------------------------------------------------------
