@@ -48,6 +48,7 @@ class Liveness:
             layout = cgroupfs.detect(self.root)
             with cgroupfs.CgroupFS(layout) as fs:
                 path = cgroup_path(runtime_path)
+                cgroupfs.split_path(path)  # a malformed path says nothing about liveness
                 if not fs.exists("cpuset", path):
                     return False
                 return fs.populated(path)
