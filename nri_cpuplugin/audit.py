@@ -72,18 +72,38 @@ class JournalSink:
     def __init__(self, path: str = JOURNAL_SOCKET, fallback: Sink | None = None) -> None:
         self.path = path
         self.fallback = fallback or stderr_sink()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._sock: socket.socket | None = None
+
+    def _connected(self) -> socket.socket:
+        # Connected once: a path lookup per record would cost as much as the send itself.
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
 
     def __call__(self, record: dict[str, str]) -> None:
         payload = encode_journal_entry(record)
-        try:
-            self._sock.sendto(payload, self.path)
-        except OSError as err:
-            if err.errno in (errno.EMSGSIZE, errno.ENOBUFS):
-                with contextlib.suppress(OSError):
-                    self._send_large(payload)
-                    return
-            self.fallback(record)
+        for attempt in (1, 2):  # a journald restart leaves our connection dead: reconnect once
+            try:
+                self._connected().send(payload)
+                return
+            except OSError as err:
+                if err.errno in (errno.EMSGSIZE, errno.ENOBUFS):
+                    with contextlib.suppress(OSError):
+                        self._send_large(payload)
+                        return
+                    break
+                if self._sock is not None:
+                    self._sock.close()
+                    self._sock = None
+                if attempt == 2:
+                    break
+        self.fallback(record)
 
     def _send_large(self, payload: bytes) -> None:
         # Too big for one datagram: journald accepts a sealed memfd passed with SCM_RIGHTS.
@@ -98,7 +118,7 @@ class JournalSink:
                 fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
             )
             fds = array.array("i", [fd])
-            self._sock.sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)], 0, self.path)
+            self._connected().sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         finally:
             os.close(fd)
 

@@ -6,6 +6,7 @@ measured operations alternate between them, so machine noise hits both sides ali
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import statistics
@@ -273,3 +274,69 @@ def _context_switches(pid: int) -> int:
             if "ctxt_switches" in line:
                 total += int(line.split()[1])
     return total
+
+
+def bench_audit_cost(rounds: int = 400) -> dict:
+    """The plugin's CreateContainer + StopContainer handlers with every decision sent to a real
+    systemd-journald (private mount namespace) vs with auditing switched off; two plugins on
+    their own state directories, calls alternating."""
+    from harness.journald import PrivateJournal
+
+    from nri_cpuplugin.audit import Audit, JournalSink
+    from nri_cpuplugin.config import Settings
+    from nri_cpuplugin.plugin import CPUPlugin
+
+    from .bench_nri import realistic_container, realistic_pod
+
+    samples: dict[str, list[float]] = {"journald": [], "off": []}
+    with PrivateJournal() as journal, tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        plugins = {}
+        for side in samples:
+            audit = Audit(JournalSink(journal.socket_path))
+            plugin = CPUPlugin(Settings(state_dir=f"{tmp}/{side}", reserved_cpu_count=1), audit)
+            asyncio.run(plugin.configure("", "bench", "v0"))
+            audit.enabled = side == "journald"
+            plugins[side] = plugin
+        pod = realistic_pod(3)
+        for i in range(rounds):
+            for side in ("journald", "off") if i % 2 else ("off", "journald"):
+                container = realistic_container(pod, i)
+                container.linux.resources.cpu.quota.value = 100000
+                container.linux.resources.cpu.shares.value = 1024
+                start = time.perf_counter()
+                plugins[side].create_container(pod, container)
+                plugins[side].stop_container(pod, container)
+                samples[side].append(time.perf_counter() - start)
+                plugins[side].remove_container(pod, container)
+        entries = len(journal.entries("ACTION=allocate"))
+    return {
+        "journald": summary(samples["journald"]),
+        "off": summary(samples["off"]),
+        "median_ratio": _ratio(samples["journald"], samples["off"]),
+        "allocate_entries": entries,
+    }
+
+
+def bench_cold_start(containers: int = 200, pods: int = 20) -> dict:
+    """Time from starting ``nri-cpuplugin run`` to synchronized with the runtime, when
+    containerd 2.1.9 already runs ``containers`` containers in ``pods`` pods."""
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        runtime = stack.enter_context(Containerd("2.1", debug=False))
+        cri = runtime.cri()
+        per_pod = containers // pods
+        for p in range(pods):
+            qos = "guaranteed" if p == 0 else "burstable"
+            specs = [
+                ContainerSpec.guaranteed("pinned", 1)
+                if qos == "guaranteed" and c == 0
+                else ContainerSpec(f"c{c}", cpu_request_milli=10, memory="8Mi")
+                for c in range(per_pod)
+            ]
+            cri.run(PodSpec.for_containers(f"pod{p}", specs, qos=qos), specs)
+        started = time.perf_counter()
+        daemon = Daemon(runtime.nri_socket, Path(tmp) / "state").start(wait=False)
+        stack.callback(daemon.stop)
+        daemon.wait_synchronized(timeout=60)
+        elapsed = time.perf_counter() - started
+        [sync] = daemon.new_records("synchronize")
+    return {"containers": containers, "pods": pods, "seconds": elapsed, "message": sync["MESSAGE"]}

@@ -1,0 +1,561 @@
+"""packaging/: every file checked by the program that consumes it, where that program exists here.
+
+* systemd unit: ``systemd-analyze verify`` and ``security --offline`` against a private root
+  (no systemd as PID 1 needed); its command line through the real CLI parser.
+* configuration files: the plugin's own loader (the same one the runtime's Configure string
+  goes through).
+* runtime-launched launcher: ``sh -n``, its name and mode as the runtime demands (it runs for
+  real, under both containerd versions, in tests/e2e/test_packaging_e2e.py).
+* CRI-O drop-ins: tomllib, against the keys and types crio.conf(5) documents (CRI-O is not in
+  Debian).
+* Kubernetes manifests: the Kubernetes OpenAPI schemas of several releases, offline
+  (kubernetes-validate ships them), strict about unknown fields; plus least-privilege checks.
+* Dockerfile: parsed; what it copies is tracked by git; its ``pip install`` is run on exactly
+  the copied files.
+* the Python package: a clean clone of HEAD is built (sdist + wheel), and each artefact and
+  ``pip install .`` are installed into fresh virtual environments and run.
+
+The containerd drop-ins are checked with ``containerd config dump`` and by running both
+containerd versions in tests/e2e/test_packaging_e2e.py (they need the runtime lab and root).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from nri_cpuplugin import audit
+from nri_cpuplugin.cli import build_parser
+from nri_cpuplugin.config import (
+    DEFAULT_STATE_DIR,
+    ConfigError,
+    Settings,
+    load_file,
+    merge,
+    parse_toml,
+)
+from nri_cpuplugin.topology import discover
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGING = REPO / "packaging"
+UNIT = PACKAGING / "systemd/nri-cpuplugin.service"
+BACKOFF = PACKAGING / "systemd/nri-cpuplugin.service.d/backoff.conf"
+CONFIG = PACKAGING / "config.toml"
+LAUNCHER = PACKAGING / "nri/10-cpuplugin"
+LAUNCHED_CONF = PACKAGING / "nri/10-cpuplugin.conf"
+CRIO_NRI = PACKAGING / "crio/10-nri-cpuplugin-nri.conf"
+CRIO_HOOKS = PACKAGING / "crio/10-nri-cpuplugin-hooks.conf"
+DAEMONSET = PACKAGING / "kubernetes/daemonset.yaml"
+DOCKERFILE = PACKAGING / "Dockerfile"
+
+# Where packaging/README.md says things go.
+INSTALLED_PROGRAM = "/usr/local/bin/nri-cpuplugin"
+INSTALLED_CONFIG = "/etc/nri-cpuplugin/config.toml"
+NRI_SOCKET = "/var/run/nri/nri.sock"
+NRI_PLUGIN_DIR = "/opt/nri/plugins"
+NRI_CONF_DIR = "/etc/nri/conf.d"
+# Oldest and newest Kubernetes releases whose schemas the manifests must satisfy (NRI needs
+# containerd >= 1.7 / CRI-O >= 1.26, i.e. clusters of 1.26 and later).
+KUBERNETES_VERSIONS = ("1.26", "1.30", kubernetes_validate.latest_version())
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120, **kw)
+
+
+def project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+# -- systemd -----------------------------------------------------------------------------------
+
+
+def parse_unit(path: Path) -> dict[tuple[str, str], list[str]]:
+    """(section, key) -> values in order, systemd style: a key may repeat; an empty assignment
+    resets the list."""
+    out: dict[tuple[str, str], list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        values = out.setdefault((section, key.strip()), [])
+        if value.strip():
+            values.append(value.strip())
+        else:
+            values.clear()
+    return out
+
+
+def systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.fail(
+            "systemd-analyze is missing: install Debian's 'systemd' package (it provides the "
+            "analyzer and the unit files a private root needs; systemd need not run)",
+            pytrace=False,
+        )
+    return tool
+
+
+def systemd_version() -> int:
+    out = run([systemd_analyze(), "--version"]).stdout
+    return int(re.match(r"systemd (\d+)", out).group(1))
+
+
+@pytest.fixture
+def unit_root(tmp_path: Path) -> Path:
+    """A private filesystem root for systemd-analyze: the distribution's unit files (for
+    sysinit.target and friends), our unit where an admin puts it, and an executable where
+    ExecStart points (pip's console script)."""
+    units = Path("/lib/systemd/system")
+    if not (units / "sysinit.target").exists():
+        pytest.fail(f"{units}/sysinit.target is missing: install Debian's 'systemd' package")
+    root = tmp_path / "root"
+    shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    shutil.copy(UNIT, root / "etc/systemd/system" / UNIT.name)
+    program = root / INSTALLED_PROGRAM.lstrip("/")
+    program.parent.mkdir(parents=True)
+    shutil.copy(Path(sys.executable).parent / "nri-cpuplugin", program)
+    return root
+
+
+def verify(root: Path) -> subprocess.CompletedProcess:
+    # --man=no: no man pages here; the unit names none anyway.
+    return run([systemd_analyze(), "verify", f"--root={root}", "--man=no", UNIT.name], cwd=root)
+
+
+def test_systemd_unit_verifies_without_a_single_warning(unit_root: Path) -> None:
+    result = verify(unit_root)
+    # verify exits 0 even after "Unknown key" warnings: the output must be empty as well.
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_systemd_verify_would_notice_a_missing_program(unit_root: Path) -> None:
+    """The check above can fail: verify looks for ExecStart's program inside the root."""
+    (unit_root / INSTALLED_PROGRAM.lstrip("/")).unlink()
+    result = verify(unit_root)
+    assert result.returncode != 0
+    assert f"Command {INSTALLED_PROGRAM} is not executable" in result.stderr
+
+
+def test_systemd_backoff_dropin_is_for_systemd_254_and_later(unit_root: Path) -> None:
+    dropin = unit_root / "etc/systemd/system" / BACKOFF.parent.name
+    dropin.mkdir()
+    shutil.copy(BACKOFF, dropin)
+    result = verify(unit_root)
+    assert result.returncode == 0
+    warnings = sorted(re.findall(r"Unknown key '(\w+)'", result.stderr))
+    if systemd_version() >= 254:
+        assert result.stderr == ""
+    else:  # ignored by older systemd, which is why the keys are not in the unit itself
+        assert warnings == ["RestartMaxDelaySec", "RestartSteps"], result.stderr
+        assert len(result.stderr.splitlines()) == 2, result.stderr
+
+
+def test_systemd_unit_exposure_is_low(unit_root: Path) -> None:
+    def security(threshold: int) -> subprocess.CompletedProcess:
+        return run(
+            [
+                systemd_analyze(), "security", "--offline=true", f"--root={unit_root}",
+                f"--threshold={threshold}", "--no-pager", UNIT.name,
+            ],
+            cwd=unit_root,
+        )  # fmt: skip
+
+    result = security(20)
+    level = float(re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)[1])
+    assert result.returncode == 0 and level <= 2.0, result.stdout
+    # What is left is what the daemon needs: root (the 0700 NRI socket directory), AF_UNIX
+    # (the sockets), AF_INET* and the host network (metrics).  No capability at all:
+    failed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("✗")}
+    assert not {f for f in failed if f.startswith("CapabilityBoundingSet")}, failed
+    assert {"NoNewPrivileges=", "ProtectSystem=", "ProtectHome=", "PrivateTmp="}.isdisjoint(
+        failed
+    )
+    assert security(10).returncode != 0  # the gate itself works
+
+
+def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -> None:
+    unit = parse_unit(UNIT)
+    argv = shlex.split(unit["Service", "ExecStart"][0])
+    assert argv[0] == INSTALLED_PROGRAM
+    args = build_parser().parse_args(argv[1:])  # the real CLI accepts it
+    assert (args.command, args.config) == ("run", INSTALLED_CONFIG)
+    assert Path(INSTALLED_PROGRAM).name in project()["project"]["scripts"]
+    # The state directory systemd creates and leaves writable is the plugin's default one.
+    assert "/var/lib/" + unit["Service", "StateDirectory"][0] == DEFAULT_STATE_DIR
+    assert DEFAULT_STATE_DIR in unit["Service", "ReadWritePaths"][0].split()
+    assert unit["Service", "Restart"] == ["always"]
+    assert unit["Unit", "StartLimitIntervalSec"] == ["0"]  # never gives up
+    assert "containerd.service" in unit["Unit", "After"][0].split()
+    assert unit["Unit", "Wants"] == ["containerd.service"]
+    assert unit["Service", "CapabilityBoundingSet"] == []  # reset to nothing
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+    }.items():
+        assert unit["Service", key] == [value], key
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CONFIG, LAUNCHED_CONF], ids=lambda p: p.name)
+def test_config_files_are_accepted_by_the_plugin(path: Path) -> None:
+    settings = merge(Settings(), load_file(path))
+    assert settings.state_dir == DEFAULT_STATE_DIR
+    assert settings.reserved_cpu_count == 1 and settings.reserved_cpus is None
+    assert settings.metrics_listen is None  # metrics are opt-in
+    # The loader is strict, so the acceptance above means something:
+    text = path.read_text()
+    assert text.count("\nreserved_cpu_count =") == 1
+    with pytest.raises(ConfigError, match="unknown key 'reserved_cpu'"):
+        parse_toml(text.replace("\nreserved_cpu_count =", "\nreserved_cpu ="), str(path))
+
+
+def test_daemon_config_talks_to_the_socket_the_runtime_drop_ins_open() -> None:
+    settings = merge(Settings(), load_file(CONFIG))
+    assert settings.nri_socket == NRI_SOCKET
+    crio = tomllib.loads(CRIO_NRI.read_text())["crio"]["nri"]
+    assert crio["nri_listen"] == NRI_SOCKET
+    for name in ("nri-containerd-1.7.toml", "nri-containerd-2.x.toml"):
+        nri = tomllib.loads((PACKAGING / "containerd" / name).read_text())
+        assert nri["plugins"]["io.containerd.nri.v1.nri"]["socket_path"] == NRI_SOCKET
+
+
+# -- runtime-launched plugin -------------------------------------------------------------------
+
+
+def test_launcher_is_what_the_runtime_launches() -> None:
+    # NN-name: the runtime refuses to start NRI at all if an executable there is misnamed.
+    assert re.fullmatch(r"\d\d-[A-Za-z0-9_.+-]+", LAUNCHER.name)
+    assert LAUNCHED_CONF.name == LAUNCHER.name + ".conf"  # what the runtime looks up first
+    # Executable in git, so a checkout installs it executable (any x bit will do for NRI).
+    mode = run(["git", "ls-files", "-s", str(LAUNCHER.relative_to(REPO))], cwd=REPO).stdout
+    assert mode.startswith("100755 "), mode or "not tracked"
+    assert LAUNCHER.stat().st_mode & stat.S_IXUSR
+    # No PATH in the runtime's environment: absolute interpreter, absolute program.
+    lines = LAUNCHER.read_text().splitlines()
+    assert lines[0] == "#!/bin/sh"
+    [exec_line] = [line for line in lines if line.startswith("exec ")]
+    assert shlex.split(exec_line)[1:] == [INSTALLED_PROGRAM, "run"]
+    syntax = run(["sh", "-n", str(LAUNCHER)])
+    assert syntax.returncode == 0, syntax.stderr
+
+
+# -- CRI-O -------------------------------------------------------------------------------------
+
+
+def is_path(v: object) -> bool:
+    return isinstance(v, str) and v.startswith("/")
+
+
+def is_duration(v: object) -> bool:  # Go time.ParseDuration, as CRI-O decodes these
+    return isinstance(v, str) and re.fullmatch(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+", v) is not None
+
+
+def is_bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+# crio.conf(5): the CRIO.NRI table and crio.runtime.hooks_dir.
+CRIO_KEYS = {
+    ("crio", "nri", "enable_nri"): is_bool,
+    ("crio", "nri", "nri_listen"): is_path,
+    ("crio", "nri", "nri_plugin_dir"): is_path,
+    ("crio", "nri", "nri_plugin_config_dir"): is_path,
+    ("crio", "nri", "nri_disable_connections"): is_bool,
+    ("crio", "nri", "nri_plugin_registration_timeout"): is_duration,
+    ("crio", "nri", "nri_plugin_request_timeout"): is_duration,
+    ("crio", "runtime", "hooks_dir"): lambda v: (
+        isinstance(v, list) and bool(v) and all(map(is_path, v))
+    ),
+}
+
+
+def leaves(doc: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out.update(leaves(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def check_crio(text: str) -> dict[tuple[str, ...], object]:
+    found = leaves(tomllib.loads(text))
+    for key, value in found.items():
+        assert key in CRIO_KEYS, f"{'.'.join(key)} is not a documented CRI-O key"
+        assert CRIO_KEYS[key](value), f"{'.'.join(key)} = {value!r} has the wrong type"
+    return found
+
+
+def test_crio_nri_dropin_enables_nri_with_the_documented_keys() -> None:
+    found = check_crio(CRIO_NRI.read_text())
+    assert found[("crio", "nri", "enable_nri")] is True
+    assert found[("crio", "nri", "nri_disable_connections")] is False
+    assert found[("crio", "nri", "nri_plugin_dir")] == NRI_PLUGIN_DIR  # launcher's home
+    assert found[("crio", "nri", "nri_plugin_config_dir")] == NRI_CONF_DIR
+    # The checker can fail: a misspelt key and a number where CRI-O wants a duration.
+    with pytest.raises(AssertionError, match="not a documented"):
+        check_crio(CRIO_NRI.read_text().replace("nri_listen", "nri_socket"))
+    with pytest.raises(AssertionError, match="wrong type"):
+        check_crio(CRIO_NRI.read_text().replace('timeout = "2s"', "timeout = 2"))
+
+
+def test_crio_hooks_dropin_names_where_the_hooks_go() -> None:
+    found = check_crio(CRIO_HOOKS.read_text())
+    assert found == {
+        ("crio", "runtime", "hooks_dir"): [
+            "/usr/share/containers/oci/hooks.d",
+            "/etc/containers/oci/hooks.d",
+        ]
+    }
+    # The hook entries shipped in hooks/ (maintained there) run a program this package installs.
+    scripts = project()["project"]["scripts"]
+    entries = sorted((REPO / "hooks").glob("*.json"))
+    assert entries
+    for entry in entries:
+        hook = json.loads(entry.read_text())["hook"]
+        assert Path(hook["path"]).name in scripts, entry.name
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+
+
+def manifests() -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(DAEMONSET.read_text()) if doc]
+
+
+def kinds() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in manifests()}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_against_the_kubernetes_schema(version: str) -> None:
+    docs = manifests()
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "DaemonSet"]
+    for doc in docs:
+        # strict: unknown fields (typos) are errors, as `kubectl apply --validate=strict` does.
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_schema_validation_catches_mistakes() -> None:
+    daemonset = kinds()["DaemonSet"]
+    typo = copy.deepcopy(daemonset)
+    typo["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privilegd"] = False
+    wrong_type = copy.deepcopy(daemonset)
+    wrong_type["spec"]["template"]["spec"]["volumes"][0]["hostPath"]["path"] = 42
+    for broken in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_daemonset_runs_everywhere_with_no_more_privilege_than_needed() -> None:
+    ds = kinds()["DaemonSet"]
+    assert ds["metadata"]["namespace"] == "kube-system"
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in pod["tolerations"]  # every taint, every node
+    assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert pod["automountServiceAccountToken"] is False  # it never talks to the API server
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    [container] = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsUser"] == 0  # the NRI socket's directory is root's, mode 0700
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] and resources["requests"]["memory"]
+    assert "cpu" not in resources.get("limits", {})  # a throttled plugin misses NRI deadlines
+
+
+def test_daemonset_mounts_what_the_configured_daemon_uses() -> None:
+    docs = kinds()
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: (m, volumes[m["name"]]) for m in container["volumeMounts"]}
+    host_paths = {
+        path: (v["hostPath"]["path"], v["hostPath"].get("type"), bool(m.get("readOnly")))
+        for path, (m, v) in mounts.items()
+        if "hostPath" in v
+    }
+    # The command the image runs, through the real CLI parser, and the settings it ends with.
+    args = build_parser().parse_args(container["args"])
+    assert container["command"] == ["nri-cpuplugin"] and args.command == "run"
+    config_mount = str(Path(args.config).parent)
+    assert mounts[config_mount][1]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    text = docs["ConfigMap"]["data"][Path(args.config).name]
+    settings = merge(Settings(), parse_toml(text, "ConfigMap"))
+    assert host_paths == {
+        # the directory, so a socket the runtime recreates is seen
+        str(Path(settings.nri_socket).parent): ("/var/run/nri", "DirectoryOrCreate", False),
+        args.sysfs: ("/sys", "Directory", True),
+        settings.state_dir: (DEFAULT_STATE_DIR, "DirectoryOrCreate", False),
+        audit.JOURNAL_SOCKET: ("/run/systemd/journal/socket", "Socket", False),
+    }
+
+
+def test_configmap_holds_the_packaged_config() -> None:
+    assert kinds()["ConfigMap"]["data"]["config.toml"] == CONFIG.read_text()
+
+
+# -- Dockerfile --------------------------------------------------------------------------------
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, pending = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        instruction, _, rest = line.partition(" ")
+        out.append((instruction.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_builds_from_tracked_files_and_runs_what_the_daemonset_expects() -> None:
+    steps = dockerfile()
+    assert steps[0] == ("FROM", "python:3.11-slim")
+    tracked = set(run(["git", "ls-files"], cwd=REPO).stdout.split())
+    copies = [shlex.split(args) for op, args in steps if op == "COPY"]
+    assert copies
+    for *sources, _dest in copies:
+        for source in sources:
+            path = source.rstrip("/")
+            assert (REPO / path).exists(), source
+            assert path in tracked or any(t.startswith(path + "/") for t in tracked), source
+    entrypoint = json.loads(dict(steps)["ENTRYPOINT"])
+    assert entrypoint[0] in project()["project"]["scripts"]
+    [container] = kinds()["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == entrypoint
+    assert json.loads(dict(steps)["CMD"]) == ["run"]
+    assert dict(steps)["USER"] == "0"
+
+
+# -- the Python package, from a clean clone ----------------------------------------------------
+
+
+def venv(path: Path) -> Path:
+    """A fresh virtual environment without pip (fast); this interpreter's pip installs into it."""
+    result = run([sys.executable, "-m", "venv", "--without-pip", str(path)])
+    assert result.returncode == 0, result.stderr
+    return path / "bin/python"
+
+
+def pip_install(python: Path, *args: str, cwd: Path | None = None) -> None:
+    result = run([sys.executable, "-m", "pip", "--python", str(python), "install", *args], cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def check_installed(python: Path) -> None:
+    """The console script works outside the source tree."""
+    program = python.parent / "nri-cpuplugin"
+    result = run([str(program), "--help"], cwd="/")
+    assert result.returncode == 0 and "topology" in result.stdout, result.stderr
+    result = run([str(program), "topology", "--json"], cwd="/")
+    assert result.returncode == 0, result.stderr
+    online = {c["id"] for c in json.loads(result.stdout)["cpus"] if c["online"]}
+    assert online == set(discover().online)  # this machine, as the work tree sees it
+    # It really is the installed copy, not the work tree.
+    where = run([str(python), "-c", "import nri_cpuplugin; print(nri_cpuplugin.__file__)"], cwd="/")
+    assert str(REPO) not in where.stdout and str(python.parents[1]) in where.stdout, where.stdout
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A clean clone of the committed HEAD: what a user gets, nothing from this work tree."""
+    src = tmp_path_factory.mktemp("clone") / "nri-cpuplugin"
+    result = run(["git", "clone", "--quiet", str(REPO), str(src)])
+    assert result.returncode == 0, result.stderr
+    return src
+
+
+@pytest.fixture(scope="module")
+def dist(clone: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    result = run([sys.executable, "-m", "build", "--outdir", str(out), str(clone)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def test_sdist_and_wheel_install_and_run(dist: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    [wheel] = dist.glob("*.whl")
+    [sdist] = dist.glob("*.tar.gz")
+    for name, artefact in (("wheel", wheel), ("sdist", sdist)):
+        python = venv(tmp_path / name)
+        pip_install(python, str(artefact))
+        check_installed(python)
+    assert time.monotonic() - started < 60
+
+
+def test_pip_install_from_a_clean_clone(clone: Path, tmp_path: Path) -> None:
+    python = venv(tmp_path / "venv")
+    pip_install(python, ".", cwd=clone)
+    check_installed(python)
+
+
+def test_dockerfile_pip_install_works_on_exactly_the_copied_files(
+    clone: Path, tmp_path: Path
+) -> None:
+    """Replays the Dockerfile's WORKDIR/COPY/RUN steps on a clean clone as build context: a
+    file the build needs but the Dockerfile forgets to copy fails here."""
+    image = tmp_path / "image"
+    workdir = image
+    python = venv(tmp_path / "venv")
+    ran = False
+    for op, args in dockerfile():
+        if op == "WORKDIR":
+            workdir = image / args.lstrip("/")
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif op == "COPY":
+            *sources, dest = shlex.split(args)
+            target = workdir / dest if not dest.startswith("/") else image / dest.lstrip("/")
+            for source in sources:  # docker: a directory's contents go into dest
+                origin = clone / source
+                if origin.is_dir():
+                    shutil.copytree(origin, target, dirs_exist_ok=True)
+                else:
+                    assert dest.endswith("/"), "COPY of several files needs a directory"
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(origin, target / origin.name)
+        elif op == "RUN":
+            for command in args.split("&&"):
+                words = shlex.split(command)
+                if words[:2] == ["pip", "install"]:
+                    pip_install(python, *words[2:], cwd=workdir)
+                    ran = True
+    assert ran, "the Dockerfile has no pip install step"
+    check_installed(python)
