@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shlex
 import shutil
@@ -189,9 +188,7 @@ def test_systemd_unit_exposure_is_low(unit_root: Path) -> None:
     # (the sockets), AF_INET* and the host network (metrics).  No capability at all:
     failed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("✗")}
     assert not {f for f in failed if f.startswith("CapabilityBoundingSet")}, failed
-    assert {"NoNewPrivileges=", "ProtectSystem=", "ProtectHome=", "PrivateTmp="}.isdisjoint(
-        failed
-    )
+    assert {"NoNewPrivileges=", "ProtectSystem=", "ProtectHome=", "PrivateTmp="}.isdisjoint(failed)
     assert security(10).returncode != 0  # the gate itself works
 
 
