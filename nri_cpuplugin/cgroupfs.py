@@ -313,6 +313,10 @@ class CgroupFS:
         name = "cpuset.cpus.effective" if self.layout.version == V2 else "cpuset.cpus"
         return _parse(self.read("cpuset", path, name), path, name)
 
+    def requested(self, path: str) -> CPUSet:
+        """What the cgroup's ``cpuset.cpus`` asks for (v2: empty means "inherit")."""
+        return _parse(self.read("cpuset", path, "cpuset.cpus"), path, "cpuset.cpus")
+
 
 class Transaction:
     """Writes that are undone, newest first, if the sequence does not complete.

@@ -224,6 +224,7 @@ class _View(NamedTuple):
     records: dict[str, Record]
     unusable: dict[str, str]  # record files that could not be read, and why
     live: list[LiveContainer]
+    requested: dict[str, CPUSet]  # cpuset.cpus of each live container's cgroup
     stale: list[tuple[str, Decision | None]]  # released because their cgroup is gone/empty
     released: Decision | None  # the container the runtime says stopped (poststop)
     repaired: NodeState  # base with all of the above applied
@@ -410,9 +411,8 @@ class Hook:
             if view.loaded is None or state != view.loaded:
                 store.commit(state)
             self._fault("committed")
-            running_on = {c.workload.container_id: c.cpus for c in view.live}
             try:
-                writes = self._apply(fs, policy, state, targets, running_on, workload)
+                writes = self._apply(fs, policy, state, targets, view.requested, workload)
             except CgroupError as err:
                 if decision is not None and state != view.repaired:
                     # Every write was undone: the state must not claim the decision either.
@@ -466,7 +466,7 @@ class Hook:
             held = base.assignments.get(released_id)
             if held is not None:  # its restart may come next: keep what it held for that
                 pods.add(held.pod_uid)
-        live, stale_ids = self._live(fs, known, records)
+        live, requested, stale_ids = self._live(fs, known, records)
         stale = []
         for cid in stale_ids:
             gone, state = policy.release(state, cid)
@@ -482,6 +482,7 @@ class Hook:
             records,
             unusable,
             live,
+            requested,
             stale,
             released,
             result.state,
@@ -506,20 +507,25 @@ class Hook:
 
     def _live(
         self, fs: CgroupFS, known: Any, records: Mapping[str, Record]
-    ) -> tuple[list[LiveContainer], list[str]]:
-        """Which known containers still run (their recorded cgroup has processes), with the
-        CPUs they run on; the rest are stale."""
-        live, stale = [], []
+    ) -> tuple[list[LiveContainer], dict[str, CPUSet], list[str]]:
+        """(known containers that still run - their recorded cgroup has processes - with the
+        CPUs they run on; the cpusets their cgroups ask for; the stale rest).  The two sets
+        differ only on cgroup v2, when an ancestor does not offer every CPU asked for."""
+        live, requested, stale = [], {}, []
         for cid in sorted(known):
             record = records.get(cid)
             try:
                 if record is not None and fs.populated(record.cgroups.cpuset):
-                    live.append(LiveContainer(record.workload, fs.cpus(record.cgroups.cpuset)))
+                    path = record.cgroups.cpuset
+                    running_on = fs.cpus(path)
+                    live.append(LiveContainer(record.workload, running_on))
+                    v2 = fs.layout.version == cgroupfs.V2
+                    requested[cid] = fs.requested(path) if v2 else running_on
                     continue
             except CgroupError:
                 pass  # its cgroup is gone (ENOENT) or unreadable: it cannot be running there
             stale.append(cid)
-        return live, stale
+        return live, requested, stale
 
     def _apply(
         self,
@@ -527,7 +533,7 @@ class Hook:
         policy: StaticPolicy,
         state: NodeState,
         targets: Mapping[str, Record],
-        running_on: Mapping[str, CPUSet],
+        requested: Mapping[str, CPUSet],
         current: Workload | None,
     ) -> list[str]:
         """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
@@ -539,14 +545,15 @@ class Hook:
             held = state.assignments.get(cid)
             if held is not None:
                 plan.append((cid, record, held.cpus, policy.topology.numa_of(held.cpus), quota))
-            elif cid in state.sharing:
+            elif cid in state.sharing and requested.get(cid) != state.shared:
+                # (Shared containers already on the pool, the usual case, need no write.)
                 plan.append((cid, record, state.shared, None, False))
         current_id = current.container_id if current is not None else None
         others = [p for p in plan if p[0] != current_id]
         mine = [p for p in plan if p[0] == current_id]
         # CPUs are taken away before they are given, so no CPU is ever in more places than
         # it already was.
-        others.sort(key=lambda p: (not (running_on.get(p[0], CPUSet()) - p[2]), p[0]))
+        others.sort(key=lambda p: (not (requested.get(p[0], CPUSet()) - p[2]), p[0]))
         written: list[str] = []
         tx = Transaction(fs)
         for step in (others, mine):
@@ -687,8 +694,12 @@ def cached_topology(sysfs: str, state_dir: str) -> Topology:
         with contextlib.suppress(OSError):
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(orjson.dumps({"key": key, "topology": topology.as_dict()}))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
+            try:
+                os.write(fd, orjson.dumps({"key": key, "topology": topology.as_dict()}))
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
     return topology
 

@@ -14,6 +14,15 @@ Eligibility follows kubelet: a Guaranteed container with an integer CPU request.
 (set by any pod author, so untrusted) can opt a container *out*, or steer an eligible one to
 isolated CPUs; they never grant CPUs to a container that is not entitled to them.
 
+NIC locality (nic.py finds the NUMA nodes of a pod's network interfaces) is a preference among
+the CPUs a container is entitled to: its exclusive CPUs come from those nodes whenever they have
+enough free CPUs.  "Strict" (asked by annotation) turns the preference into a condition.
+
+CPU hotplug (``follow_online``): a CPU that goes offline leaves every pool; an exclusive
+container that held it gets a free replacement (same NUMA node, then same socket, then any) or
+is *degraded* - it keeps what is left, or runs in the shared pool when nothing is, and the CPU
+is owed to it: it returns to that container when it comes back online.
+
 The policy is pure: every method takes a NodeState and returns a new one, so the caller commits
 state before any effect is applied.
 """
@@ -21,7 +30,7 @@ state before any effect is applied.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import CPUSet
@@ -43,6 +52,15 @@ class PolicyError(Exception):
 
 
 @dataclass(frozen=True)
+class NICPreference:
+    """Where a container's network interfaces are attached (built by nic.py)."""
+
+    nodes: CPUSet  # NUMA nodes of the NICs; empty means no preference
+    strict: bool = False  # fail the creation rather than place the CPUs elsewhere
+    nics: tuple[str, ...] = ()  # one description per NIC, for the audit trail and status
+
+
+@dataclass(frozen=True)
 class Decision:
     container_id: str
     exclusive: bool
@@ -57,6 +75,24 @@ class Decision:
         return self.shared_before != self.shared_after
 
 
+@dataclass(frozen=True)
+class HotplugChange:
+    """What following the online set did to one exclusive container."""
+
+    container_id: str
+    action: str  # "replaced" | "degraded" | "restored" | "preempted"
+    cpus: CPUSet  # the CPUs this is about: replacement, CPUs given back, CPUs lost
+    held: CPUSet  # what the container holds afterwards
+    lost: CPUSet  # what it is still owed afterwards
+    reason: str
+
+
+@dataclass(frozen=True)
+class Followed:
+    state: NodeState
+    changes: tuple[HotplugChange, ...]
+
+
 class StaticPolicy:
     name = POLICY_NAME
 
@@ -69,9 +105,13 @@ class StaticPolicy:
             raise PolicyError(
                 "no reserved CPUs: set reserved_cpus (a list) or reserved_cpu_count (at least 1)"
             )
-        unknown = reserved - topology.online
+        unknown = reserved - topology.all_cpus
         if unknown:
-            raise PolicyError(f"reserved CPUs {unknown} are not online (online: {topology.online})")
+            raise PolicyError(
+                f"reserved CPUs {unknown} are not CPUs of this machine (present: "
+                f"{topology.all_cpus})"
+            )
+        # Reserved CPUs may be offline (hotplug): they simply reserve nothing until they return.
         self.reserved = reserved
         # CPUs any shared container may run on, before exclusive assignments are removed.
         base = topology.online - topology.isolated
@@ -117,14 +157,18 @@ class StaticPolicy:
         return self._shareable - exclusive
 
     def free_exclusive(self, state: NodeState, isolated: bool = False) -> CPUSet:
-        """CPUs that a new exclusive assignment may take."""
+        """CPUs that a new exclusive assignment may take: not held, and not owed to a degraded
+        container (an online CPU it lost stays its own until it can be given back)."""
         pool = self.topology.isolated if isolated else self._assignable
-        return pool - state.exclusive
+        return pool - state.exclusive - _owed(state.assignments)
 
     def check(self, state: NodeState) -> str | None:
-        """Why a loaded state cannot serve this policy on this machine, or None if it can."""
+        """Why a loaded state cannot serve this policy on this machine, or None if it can.
+
+        Offline CPUs are not a reason: ``follow_online`` repairs those in place."""
+        usable = self._assignable | self.topology.isolated
         for cid, assignment in state.assignments.items():
-            stray = assignment.cpus - (self._assignable | self.topology.isolated)
+            stray = (assignment.cpus & self.topology.online) - usable
             if stray:
                 return f"container {cid} holds CPUs {stray} that are no longer assignable"
         if not self.shared_pool(state.exclusive):
@@ -137,8 +181,11 @@ class StaticPolicy:
 
     # --- decisions --------------------------------------------------------------------------
 
-    def admit(self, state: NodeState, workload: Workload) -> tuple[Decision, NodeState]:
-        """Decide a new container's cpuset; raise PolicyError when its request cannot be met."""
+    def admit(
+        self, state: NodeState, workload: Workload, nic: NICPreference | None = None
+    ) -> tuple[Decision, NodeState]:
+        """Decide a new container's cpuset; raise PolicyError when its request cannot be met.
+        ``nic`` steers exclusive CPUs towards the NUMA nodes of the pod's NICs."""
         before = self.shared_pool(state.exclusive)
         held = state.assignments.get(workload.container_id)
         if held is not None:  # a repeated event: answer as before
@@ -154,20 +201,22 @@ class StaticPolicy:
             state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
             decision = Decision(workload.container_id, False, shared, CPUSet(), before, shared, why)
             return decision, state
-        cpus, how = self._choose(state, workload, count, isolated)
+        cpus, how = self._choose(state, workload, count, isolated, nic)
         if not self.shared_pool(state.exclusive | cpus):
             raise PolicyError(
                 f"{_describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
                 f"leave the shared pool empty (shared now: {shared}); lower the request or "
                 "reserve fewer CPUs"
             )
-        new_state = self._assign(state, workload, cpus)
+        new_state = self._assign(state, workload, cpus, nic)
         decision = self._exclusive(
             workload.container_id, cpus, before, new_state.shared, f"{why}; {how}"
         )
         return decision, new_state
 
-    def _assign(self, state: NodeState, workload: Workload, cpus: CPUSet) -> NodeState:
+    def _assign(
+        self, state: NodeState, workload: Workload, cpus: CPUSet, nic: NICPreference | None = None
+    ) -> NodeState:
         assignment = Assignment(
             container_id=workload.container_id,
             cpus=cpus,
@@ -176,6 +225,9 @@ class StaticPolicy:
             pod_name=workload.pod_name,
             pod_namespace=workload.pod_namespace,
             kind=workload.kind,
+            nic_nodes=nic.nodes if nic is not None else CPUSet(),
+            nics=nic.nics if nic is not None else (),
+            nic_strict=bool(nic is not None and nic.strict and nic.nodes),
         )
         sharing = {k: v for k, v in state.sharing.items() if k != workload.container_id}
         new_state = state.evolve(
@@ -221,12 +273,15 @@ class StaticPolicy:
         return count, f"guaranteed with {count} whole CPUs", wants_isolated
 
     def _choose(
-        self, state: NodeState, workload: Workload, count: int, isolated: bool
+        self,
+        state: NodeState,
+        workload: Workload,
+        count: int,
+        isolated: bool,
+        nic: NICPreference | None = None,
     ) -> tuple[CPUSet, str]:
         free = self.free_exclusive(state, isolated)
         previous = state.released.get((workload.pod_uid, workload.container_name))
-        if previous is not None and len(previous.cpus) == count and previous.cpus <= free:
-            return previous.cpus, "restarted container got its previous CPUs back"
         reusable = free & CPUSet().union(
             *(
                 r.cpus
@@ -234,18 +289,56 @@ class StaticPolicy:
                 if uid == workload.pod_uid and r.kind == "init"
             )
         )
-        try:
-            if workload.kind != "init" and len(reusable) >= count:
-                return self.allocator.allocate(
-                    reusable, count
-                ), "reused finished init containers' CPUs"
-            return self.allocator.allocate(free, count), "allocated by topology"
-        except AllocationError as err:
-            pool = "isolated CPUs" if isolated else "CPUs"
+        # (exact set or pool to allocate from, why) in order of preference.
+        options: list[tuple[bool, CPUSet, str]] = []
+        if previous is not None and len(previous.cpus) == count:
+            options.append((True, previous.cpus, "restarted container got its previous CPUs back"))
+        if workload.kind != "init":
+            options.append((False, reusable, "reused finished init containers' CPUs"))
+        options.append((False, free, "allocated by topology"))
+        strict = False
+        if nic is not None and nic.nodes:
+            strict = nic.strict
+            near = self._node_cpus(nic.nodes)
+            where = f"next to its NICs on NUMA {nic.nodes}"
+            local = [
+                (exact, cpus if exact else cpus & near, f"{why}, {where}")
+                for exact, cpus, why in options
+                if not exact or cpus <= near
+            ]
+            options = local if strict else local + options
+        last_error: AllocationError | None = None
+        for exact, cpus, why in options:
+            if exact:
+                if cpus <= free:
+                    return cpus, why
+                continue
+            if len(cpus) < count and cpus is not free:
+                continue  # too small to try; the whole free pool is always tried (its error)
+            try:
+                return self.allocator.allocate(cpus, count), why
+            except AllocationError as err:
+                last_error = err
+        pool = "isolated CPUs" if isolated else "CPUs"
+        if strict:
+            assert nic is not None
+            near_free = free & self._node_cpus(nic.nodes)
             raise PolicyError(
-                f"{_describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
-                f"{free or 'none'} ({len(free)}): {err}"
-            ) from None
+                f"{_describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
+                f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
+                f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
+                f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
+                "free CPUs on that node"
+            )
+        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
+        raise PolicyError(
+            f"{_describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
+            f"{free or 'none'} ({len(free)}): {reason}"
+        )
+
+    def _node_cpus(self, nodes: Iterable[int]) -> CPUSet:
+        numa = self.topology.numa_nodes
+        return CPUSet().union(*(numa.get(node, CPUSet()) for node in nodes))
 
     def release(self, state: NodeState, container_id: str) -> tuple[Decision | None, NodeState]:
         """A container stopped: its CPUs go back to the shared pool and are remembered for its
@@ -280,10 +373,167 @@ class StaticPolicy:
         )
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 
+    # --- hotplug ----------------------------------------------------------------------------
+
+    def follow_online(self, state: NodeState, previous: Topology | None = None) -> Followed:
+        """The state made to fit this policy's online CPUs (a policy built on a topology
+        discovered after a hotplug event, or at start after changes made while nothing ran).
+
+        1. CPUs that are no longer online leave every assignment and are owed to it.
+        2. Owed CPUs that are usable again return to their container (as long as the shared
+           pool keeps a CPU).
+        3. Containers still owed offline CPUs get free replacements: on their NUMA node(s),
+           then their socket(s), then anywhere (never off the NICs' nodes when strict).  A
+           replacement settles the debt: the lost CPU joins the shared pool when it returns.
+           Without a replacement the container is degraded until the CPU returns.
+        4. If the shared pool would be empty, the largest assignment gives a CPU back (owed).
+
+        ``previous`` (the topology before the change) locates offline CPUs, which sysfs no
+        longer describes; without it, a container that lost everything is replaced anywhere.
+        """
+        topo = self.topology
+        online = topo.online
+        usable = self._assignable | topo.isolated
+        held = dict(state.assignments)
+        changes: list[HotplugChange] = []
+        newly_lost: dict[str, CPUSet] = {}
+
+        def taken() -> CPUSet:
+            return CPUSet().union(*(a.cpus for a in held.values()))
+
+        for cid in sorted(held):  # 1.
+            a = held[cid]
+            gone = a.cpus - online
+            # An owed CPU that is online but can no longer be ours (now reserved or isolated by
+            # a new configuration) cannot return: treat it as lost now, to be replaced.
+            dead = (a.lost & online) - usable
+            if gone or dead:
+                held[cid] = replace(a, cpus=a.cpus - gone, lost=(a.lost | gone) - dead)
+                newly_lost[cid] = gone | dead
+        for cid in sorted(held):  # 2.
+            a = held[cid]
+            candidates = (a.lost & online & usable) - taken()
+            back = CPUSet()
+            for cpu in candidates.sorted():
+                if self.shared_pool(taken() | back | {cpu}):
+                    back |= {cpu}
+            if back:
+                held[cid] = a = replace(a, cpus=a.cpus | back, lost=a.lost - back)
+                changes.append(
+                    HotplugChange(
+                        cid, "restored", back, a.cpus, a.lost, f"CPU {back} is usable again"
+                    )
+                )
+        for cid in sorted(held):  # 3.
+            a = held[cid]
+            dead = newly_lost.get(cid, CPUSet()) & online  # can never return: replace or forget
+            missing = (a.lost - online) | dead
+            if not missing:
+                continue
+            pick, where = self._replacement(held, a, missing, previous)
+            if pick:
+                held[cid] = a = replace(a, cpus=a.cpus | pick, lost=a.lost - missing)
+                changes.append(
+                    HotplugChange(
+                        cid,
+                        "replaced",
+                        pick,
+                        a.cpus,
+                        a.lost,
+                        f"CPU {missing} went offline; replaced by {pick} ({where})",
+                    )
+                )
+            elif cid in newly_lost:
+                changes.append(
+                    HotplugChange(
+                        cid,
+                        "degraded",
+                        newly_lost[cid],
+                        a.cpus,
+                        a.lost,
+                        f"CPU {newly_lost[cid]} went offline and no free CPU can replace it"
+                        + (
+                            "; it runs in the shared pool until the CPU returns"
+                            if not a.cpus
+                            else f"; it keeps {a.cpus} until the CPU returns"
+                        ),
+                    )
+                )
+        while not self.shared_pool(taken()):  # 4.
+            victims = [a for a in held.values() if a.cpus & self._shareable]
+            if not victims:
+                break
+            a = max(victims, key=lambda v: (len(v.cpus), max(v.cpus), v.container_id))
+            cpu = CPUSet([max(a.cpus & self._shareable)])
+            held[a.container_id] = a = replace(a, cpus=a.cpus - cpu, lost=a.lost | cpu)
+            changes.append(
+                HotplugChange(
+                    a.container_id,
+                    "preempted",
+                    cpu,
+                    a.cpus,
+                    a.lost,
+                    f"CPU {cpu} taken back: the shared pool had no CPU left",
+                )
+            )
+        new_state = state.evolve(assignments=held, fingerprint=topo.fingerprint())
+        new_state = new_state.evolve(shared=self.shared_pool(new_state.exclusive))
+        return Followed(new_state, tuple(changes))
+
+    def _replacement(
+        self,
+        held: Mapping[str, Assignment],
+        a: Assignment,
+        missing: CPUSet,
+        previous: Topology | None,
+    ) -> tuple[CPUSet, str]:
+        """Free CPUs to replace ``missing`` for ``a``, and where they were found; empty if none."""
+        topo = self.topology
+        others = [x for x in held.values() if x.container_id != a.container_id]
+        busy = CPUSet().union(*(x.cpus | x.lost for x in others)) | a.cpus
+        isolated = any(
+            info.isolated
+            for source in (topo, previous)
+            if source is not None
+            for cpu in a.cpus | missing
+            if (info := source.by_id.get(cpu)) is not None
+        )
+        free = (topo.isolated if isolated else self._assignable) - busy
+        nodes = topo.numa_of(a.cpus) | (previous.numa_of(missing) if previous else CPUSet())
+        sockets = {topo.by_id[c].socket for c in a.cpus} | {
+            previous.by_id[c].socket
+            for c in missing
+            if previous is not None and c in previous.online
+        }
+        tiers = [
+            ("same NUMA node", self._node_cpus(nodes)),
+            ("same socket", CPUSet().union(*(topo.sockets.get(s, CPUSet()) for s in sockets))),
+            ("another socket", topo.online),
+        ]
+        if a.nic_strict and a.nic_nodes:
+            near = self._node_cpus(a.nic_nodes)
+            tiers = [(f"{label}, next to its NICs", cpus & near) for label, cpus in tiers]
+        exclusive = CPUSet().union(*(x.cpus for x in held.values()))
+        for label, tier in tiers:
+            candidates = free & tier
+            if len(candidates) < len(missing):
+                continue
+            try:
+                pick = self.allocator.allocate(candidates, len(missing))
+            except AllocationError:
+                continue
+            if self.shared_pool(exclusive | pick):
+                return pick, label
+        return CPUSet(), ""
+
     def _exclusive(
         self, cid: str, cpus: CPUSet, before: CPUSet, after: CPUSet, reason: str
     ) -> Decision:
         return Decision(cid, True, cpus, self.topology.numa_of(cpus), before, after, reason)
+
+
+def _owed(assignments: Mapping[str, Assignment]) -> CPUSet:
+    return CPUSet().union(*(a.lost for a in assignments.values()))
 
 
 def _without(mapping: Mapping[str, str], key: str) -> dict[str, str]:

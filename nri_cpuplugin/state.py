@@ -29,7 +29,17 @@ class StateFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Assignment:
-    """Exclusive CPUs held by one live container."""
+    """Exclusive CPUs held by one live container.
+
+    ``lost`` are CPUs it held that went offline (or were taken back to keep the shared pool
+    non-empty) and that no free CPU could replace: the container is *degraded* while it is
+    non-empty, and each of these CPUs returns to it when it is usable again.  ``cpus`` may be
+    empty only then (the container runs in the shared pool meanwhile).
+
+    ``nic_nodes`` are the NUMA nodes of the NICs its placement preferred (empty: no
+    preference), ``nics`` describe those NICs for ``status``, and ``nic_strict`` says the pod
+    asked to fail rather than be placed elsewhere (replacements after hotplug keep to it too).
+    """
 
     container_id: str
     cpus: CPUSet
@@ -38,6 +48,19 @@ class Assignment:
     pod_name: str = ""
     pod_namespace: str = ""
     kind: str = "app"
+    lost: CPUSet = field(default_factory=CPUSet)
+    nic_nodes: CPUSet = field(default_factory=CPUSet)
+    nics: tuple[str, ...] = ()
+    nic_strict: bool = False
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.lost)
+
+    @property
+    def count(self) -> int:
+        """The number of exclusive CPUs the container is entitled to."""
+        return len(self.cpus) + len(self.lost)
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,28 @@ class NodeState:
 # --- document form ------------------------------------------------------------------------
 
 
+def _assignment_document(a: Assignment) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "cpus": str(a.cpus),
+        "pod_uid": a.pod_uid,
+        "container_name": a.container_name,
+        "pod_name": a.pod_name,
+        "pod_namespace": a.pod_namespace,
+        "kind": a.kind,
+    }
+    # Written only when set, so documents of nodes without hotplug or NIC preferences keep the
+    # same bytes (and checksum) as before these fields existed; decode() defaults them.
+    if a.lost:
+        entry["lost"] = str(a.lost)
+    if a.nic_nodes:
+        entry["nic_nodes"] = str(a.nic_nodes)
+    if a.nics:
+        entry["nics"] = list(a.nics)
+    if a.nic_strict:
+        entry["nic_strict"] = True
+    return entry
+
+
 def to_document(state: NodeState) -> dict[str, Any]:
     body = {
         "version": FORMAT_VERSION,
@@ -98,15 +143,7 @@ def to_document(state: NodeState) -> dict[str, Any]:
         "reserved": str(state.reserved),
         "shared": str(state.shared),
         "assignments": {
-            cid: {
-                "cpus": str(a.cpus),
-                "pod_uid": a.pod_uid,
-                "container_name": a.container_name,
-                "pod_name": a.pod_name,
-                "pod_namespace": a.pod_namespace,
-                "kind": a.kind,
-            }
-            for cid, a in sorted(state.assignments.items())
+            cid: _assignment_document(a) for cid, a in sorted(state.assignments.items())
         },
         "released": [
             {"pod_uid": uid, "container_name": name, "cpus": str(r.cpus), "kind": r.kind}
@@ -201,7 +238,28 @@ def _assignment(cid: str, entry: Any) -> Assignment:
         pod_name=_str(entry, "pod_name"),
         pod_namespace=_str(entry, "pod_namespace"),
         kind=_kind(entry),
+        lost=CPUSet.parse(_optional_str(entry, "lost")),
+        nic_nodes=CPUSet.parse(_optional_str(entry, "nic_nodes")),
+        nics=tuple(_strings_list(entry.get("nics", []), f"assignment {cid!r} nics")),
+        nic_strict=_optional_bool(entry, "nic_strict"),
     )
+
+
+def _optional_str(entry: Mapping, key: str) -> str:
+    return _str(entry, key) if key in entry else ""
+
+
+def _optional_bool(entry: Mapping, key: str) -> bool:
+    value = entry.get(key, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{key} must be a boolean")
+    return value
+
+
+def _strings_list(value: Any, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{what} must be a list of strings")
+    return value
 
 
 def _released(entry: Any) -> tuple[tuple[str, str], Released]:
@@ -220,13 +278,21 @@ def _strings(entries: dict, key: str) -> dict[str, str]:
 
 def _check_consistent(state: NodeState) -> None:
     seen: dict[int, str] = {}
+    owed: dict[int, str] = {}
     for cid, assignment in state.assignments.items():
-        if not assignment.cpus:
+        if not assignment.cpus and not assignment.lost:
             raise StateFormatError(f"assignment {cid!r} has no CPUs")
         for cpu in assignment.cpus:
             if cpu in seen:
                 raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
             seen[cpu] = cid
+        for cpu in assignment.lost:
+            if cpu in owed:
+                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
+            owed[cpu] = cid
+    for cpu, cid in owed.items():
+        if cpu in seen:
+            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
     both = set(state.sharing) & set(state.assignments)
     if both:
         raise StateFormatError(f"containers {sorted(both)} are both shared and exclusive")

@@ -515,6 +515,16 @@ def test_sdist_and_wheel_install_and_run(dist: Path, tmp_path: Path) -> None:
         python = venv(tmp_path / name)
         pip_install(python, str(artefact))
         check_installed(python)
+    # packaging/README.md's install: a venv, its console scripts linked into /usr/local/bin
+    # (here a stand-in); they run through the link with no PATH, as runtimes and systemd do.
+    bin_dir = tmp_path / "usr-local-bin"
+    bin_dir.mkdir()
+    for script in project()["project"]["scripts"]:
+        (bin_dir / script).symlink_to(python.parent / script)
+    result = run([str(bin_dir / "nri-cpuplugin"), "topology", "--json"], cwd="/", env={})
+    assert result.returncode == 0 and json.loads(result.stdout)["cpus"], result.stderr
+    result = run([str(bin_dir / "nri-cpuplugin-hook"), "--help"], cwd="/", env={})
+    assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 60
 
 

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -610,7 +609,3 @@ def prepare(lab: Path = debs.LAB) -> None:
     """Everything slow, once: runc unpacked, the busybox rootfs built."""
     debs.unpack(RUNC, lab)
     image.rootfs(lab)
-
-
-def copy_tree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, symlinks=True)
