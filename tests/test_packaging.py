@@ -29,7 +29,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -508,7 +507,6 @@ def dist(clone: Path, tmp_path_factory) -> Path:
 
 
 def test_sdist_and_wheel_install_and_run(dist: Path, tmp_path: Path) -> None:
-    started = time.monotonic()
     [wheel] = dist.glob("*.whl")
     [sdist] = dist.glob("*.tar.gz")
     for name, artefact in (("wheel", wheel), ("sdist", sdist)):
@@ -525,7 +523,6 @@ def test_sdist_and_wheel_install_and_run(dist: Path, tmp_path: Path) -> None:
     assert result.returncode == 0 and json.loads(result.stdout)["cpus"], result.stderr
     result = run([str(bin_dir / "nri-cpuplugin-hook"), "--help"], cwd="/", env={})
     assert result.returncode == 0, result.stderr
-    assert time.monotonic() - started < 60
 
 
 def test_pip_install_from_a_clean_clone(clone: Path, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,18 +17,10 @@ from harness import host
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec
 
+from e2e.daemon import wait_for
+
 PLUGIN = Path(__file__).with_name("nri_test_plugin.py")
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
-
-
-def wait_for(what: str, check: Callable[[], object], timeout: float = 10.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class PluginProcess:
