@@ -15,19 +15,20 @@ mounted.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import os
 import re
-import socket
 import struct
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
+
+if TYPE_CHECKING:
+    import socket
 
 IDENTIFIER = "nri-cpuplugin"
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -76,6 +77,8 @@ class JournalSink:
 
     def _connected(self) -> socket.socket:
         # Connected once: a path lookup per record would cost as much as the send itself.
+        import socket  # here: the OCI hook without a journal never needs it
+
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
@@ -117,6 +120,9 @@ class JournalSink:
                 fcntl.F_ADD_SEALS,
                 fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
             )
+            import array
+            import socket
+
             fds = array.array("i", [fd])
             self._connected().sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         finally:

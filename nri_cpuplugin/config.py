@@ -9,7 +9,6 @@ a typo must not silently run the node with defaults.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -69,6 +68,8 @@ KNOWN_KEYS = sorted([*_TOP, *(f"{table}.{key}" for table, keys in _TABLES.items(
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:
     """Validated overrides (Settings field -> value) from TOML text."""
+    import tomllib  # here: most runs (the OCI hook's) have no config text to parse
+
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -267,9 +267,17 @@ class Records:
         finally:
             os.close(fd)
         doc = orjson.loads(data)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
         if doc.get("version") != RECORD_VERSION or doc.get("container_id") != cid:
             raise ValueError("not a record of this version for this container")
-        cpuset = doc["cpuset_cgroup"]
+        names = ("container_name", "pod_uid", "pod_name", "pod_namespace", "qos", "kind")
+        if not all(isinstance(doc.get(key), str) for key in names):
+            raise TypeError(f"{', '.join(names)} must be strings")
+        request, limit = doc.get("cpu_request_milli"), doc.get("cpu_limit_milli")
+        if type(request) is not int or not (limit is None or type(limit) is int):
+            raise TypeError("cpu_request_milli / cpu_limit_milli must be integers")
+        cpuset = doc.get("cpuset_cgroup")
         cpu = doc.get("cpu_cgroup")
         cgroupfs.split_path(cpuset)
         if cpu is not None:
@@ -281,9 +289,9 @@ class Records:
             pod_name=doc["pod_name"],
             pod_namespace=doc["pod_namespace"],
             qos=doc["qos"],
-            cpu_request_milli=int(doc["cpu_request_milli"]),
-            cpu_limit_milli=doc["cpu_limit_milli"],
-            annotations=oci._string_map(doc["annotations"], "annotations"),
+            cpu_request_milli=request,
+            cpu_limit_milli=limit,
+            annotations=oci.string_map(doc.get("annotations"), "annotations"),
             kind=doc["kind"],
             cgroup_path=cpuset,
         )

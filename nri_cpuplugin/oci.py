@@ -105,7 +105,7 @@ def parse_state(data: bytes) -> OCIState:
         status=status,
         pid=pid or None,  # runc and crun send 0 or nothing when there is no process
         bundle=bundle,
-        annotations=_string_map(doc.get("annotations"), "state field 'annotations'"),
+        annotations=string_map(doc.get("annotations"), "state field 'annotations'"),
     )
 
 
@@ -174,7 +174,7 @@ def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
         raise InputError(f"{path} is not a JSON object")
     cpu = _object(_object(_object(doc, "linux", path), "resources", path), "cpu", path)
     return OCIConfig(
-        annotations=_string_map(doc.get("annotations"), f"{path} annotations"),
+        annotations=string_map(doc.get("annotations"), f"{path} annotations"),
         shares=_int(cpu, "shares", path, minimum=0),
         quota=_int(cpu, "quota", path),
         period=_int(cpu, "period", path, minimum=0),
@@ -272,7 +272,8 @@ def _int(doc: Mapping[str, Any], key: str, path: str, minimum: int | None = None
     return value
 
 
-def _string_map(value: object, what: str) -> dict[str, str]:
+def string_map(value: object, what: str) -> dict[str, str]:
+    """A JSON object of strings to strings (annotations); InputError otherwise."""
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(

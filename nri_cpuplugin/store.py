@@ -25,12 +25,10 @@ import contextlib
 import errno
 import os
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 from .cpuset import CPUSet
@@ -47,6 +45,10 @@ QUARANTINE_KEEP = 10
 # A real document is tens of KiB even on a large node; anything beyond this is not ours, and
 # reading it would only waste memory (or never end, for a device).
 MAX_STATE_BYTES = 64 * 1024 * 1024
+
+
+# Wall clock for the names of set-aside files (a seam for tests).
+_clock = time.time
 
 
 class StateLockTimeout(Exception):
@@ -67,7 +69,9 @@ class Expected:
     """What the running configuration requires of a stored state before it may be trusted."""
 
     policy: str
-    fingerprint: str
+    # None: any CPU layout is accepted, because the caller repairs a changed online set in place
+    # (StaticPolicy.follow_online) instead of setting the file aside.
+    fingerprint: str | None
     reserved: CPUSet
 
 
@@ -227,7 +231,9 @@ class StateStore:
         started = time.perf_counter()
         self._remove_stale_temps()
         data = encode(state)
-        fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=self.state_dir)  # mode 0o600
+        tmp_name = str(self.state_dir / f"{TEMP_PREFIX}{os.urandom(6).hex()}")
+        # O_EXCL: a name that somehow exists is never reused; 0o600 like the state itself.
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         renamed = False
         try:
             try:
@@ -395,7 +401,8 @@ class StateStore:
 
     def _quarantine(self) -> Path:
         """Rename the state file aside (never over an earlier one) and prune old ones."""
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        seconds, micros = divmod(round(_clock() * 1_000_000), 1_000_000)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds)) + f".{micros:06d}Z"
         target = self.state_dir / f"{QUARANTINE_PREFIX}{stamp}"
         suffix = 0
         while os.path.lexists(target):  # same microsecond, or a clock that stepped back
@@ -433,7 +440,7 @@ def _mismatch(state: NodeState, expect: Expected) -> str | None:
     reasons = []
     if state.policy != expect.policy:
         reasons.append(f"policy changed from {state.policy!r} to {expect.policy!r}")
-    if state.fingerprint != expect.fingerprint:
+    if expect.fingerprint is not None and state.fingerprint != expect.fingerprint:
         reasons.append(
             f"CPU topology changed (fingerprint {state.fingerprint} -> {expect.fingerprint})"
         )

@@ -355,6 +355,10 @@ def test_hostile_record_files_are_ignored(box: CgroupSandbox, tmp_path: Path) ->
     outside.write_text("x")
     (records / "link.json").symlink_to(outside)
     (records / ".hidden.json").write_text("{}")
+    (records / "array.json").write_text("[]")
+    (records / "typed.json").write_text(
+        '{"version": 1, "container_id": "typed", "cpuset_cgroup": "/a", "container_name": 1}'
+    )
     other = box.add(pod("o", "burstable"), "o", millicores=100)
     result = box.hook(other)
     assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -392,12 +392,8 @@ def test_at_most_ten_quarantined_files_newest_kept(state_dir: Path) -> None:
 
 
 def test_quarantine_never_overwrites(state_dir: Path, monkeypatch) -> None:
-    class FrozenClock:
-        @staticmethod
-        def now(tz):
-            return datetime(2024, 1, 2, 3, 4, 5, 678901, tzinfo=tz)
-
-    monkeypatch.setattr(store_module, "datetime", FrozenClock)
+    frozen = datetime(2024, 1, 2, 3, 4, 5, 678901, tzinfo=UTC).timestamp()
+    monkeypatch.setattr(store_module, "_clock", lambda: frozen)
     store = StateStore(state_dir)
     state_dir.mkdir()
     names = []

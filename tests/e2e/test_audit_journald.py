@@ -68,3 +68,26 @@ def test_native_protocol_edge_cases_reach_the_journal(journal):
     assert entry["MESSAGE"] == "two\nlines" and len(entry["BIG"]) == 300_000
     with pytest.raises(ValueError, match="invalid journal field name"):
         encode_journal_entry({"lower": "x"})
+
+
+def test_hook_decisions_are_journal_entries(journal):
+    """The OCI hook (the real program, as a runtime runs it) audits into the same journal."""
+    from harness.runc import pod, sandbox
+
+    with sandbox() as box:
+        env = {"NRI_CPUPLUGIN_JOURNAL_SOCKET": journal.socket_path}
+        web = box.add(pod("web", "burstable"), "web", millicores=250)
+        assert box.hook(web, env=env).returncode == 0
+        db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+        result = box.hook(db, env=env)
+        assert result.returncode == 0, result.stderr
+        [allocate] = journal.wait_entries("ACTION=allocate")
+        assert allocate["CONTAINER_ID"] == db.id and allocate["CPUS"] == "1"
+        assert allocate["POD_NAME"] == "db" and allocate["SYSLOG_IDENTIFIER"] == "nri-cpuplugin"
+        greedy = box.add(pod("greedy"), "greedy", millicores=1000, limit=1000)
+        assert box.hook(greedy, env=env).returncode == 1
+        [refuse] = journal.wait_entries("ACTION=refuse")
+        assert refuse["CONTAINER_ID"] == greedy.id and refuse["PRIORITY"] == "3"
+        assert box.hook(db, stage="poststop", env=env).returncode == 0
+        [release] = journal.wait_entries("ACTION=release")
+        assert release["CPUS"] == "1"
