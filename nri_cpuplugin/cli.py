@@ -138,7 +138,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stub.stop)
         if stub.launched_fd is None:
             await plugin.start_metrics()  # launched: once the runtime's config is known
-        await stub.run()
+            plugin.start_hotplug()  # follow CPUs going offline/online even while disconnected
+        try:
+            await stub.run()
+        finally:
+            plugin.stop_hotplug()
 
     asyncio.run(serve())
     plugin.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")

@@ -156,6 +156,13 @@ class StaticPolicy:
     def shared_pool(self, exclusive: CPUSet) -> CPUSet:
         return self._shareable - exclusive
 
+    @staticmethod
+    def cpuset_for(state: NodeState, container_id: str) -> CPUSet:
+        """The CPUs a tracked container must run on: its exclusive CPUs, or the shared pool
+        (shared containers, and degraded ones that lost every CPU they held)."""
+        held = state.assignments.get(container_id)
+        return held.cpus if held is not None and held.cpus else state.shared
+
     def free_exclusive(self, state: NodeState, isolated: bool = False) -> CPUSet:
         """CPUs that a new exclusive assignment may take: not held, and not owed to a degraded
         container (an online CPU it lost stays its own until it can be given back)."""

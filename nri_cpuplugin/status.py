@@ -1,5 +1,8 @@
 """``nri-cpuplugin status``: what the state file says, joined with the live topology.
 
+Per exclusive container it also explains placement: the NUMA nodes of its NICs and whether its
+CPUs are on them, and whether it is degraded (lost CPUs to hotplug that nothing replaced).
+
 Reads without the lock and moves nothing (StateStore.peek), so it is safe next to a running
 daemon or hooks: commits replace the file atomically, so the reader sees one whole document.
 """
@@ -40,9 +43,16 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
             "kind": a.kind,
             "cpus": str(a.cpus),
             "numa": str(numa_of(a.cpus)),
+            "degraded": a.degraded,
+            "lost": str(a.lost),
+            "nics": list(a.nics),
+            "nic_numa": str(a.nic_nodes),
+            "nic_strict": a.nic_strict,
+            "nic_honoured": _honoured(a.nic_nodes, numa_of(a.cpus), bool(a.cpus)),
         }
         for cid, a in sorted(
-            state.assignments.items(), key=lambda item: (min(item[1].cpus), item[0])
+            state.assignments.items(),
+            key=lambda item: (min(item[1].cpus | item[1].lost), item[0]),
         )
     ]
     report.update(
@@ -55,6 +65,7 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
         exclusive_cpu_count=len(state.exclusive),
         shared_containers=len(state.sharing),
         assignments=assignments,
+        degraded=[a for a in assignments if a["degraded"]],
     )
     if topology is not None:
         free = topology.online - topology.isolated - state.reserved - state.exclusive
@@ -68,6 +79,15 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
             for node, cpus in topology.numa_nodes.items()
         }
     return report
+
+
+def _honoured(nic_nodes: CPUSet, numa: CPUSet, placed: bool) -> str:
+    """ "yes"/"no" when the container's NICs gave a preference; "-" when they did not."""
+    if not nic_nodes:
+        return "-"
+    if not placed or not numa:
+        return "unknown"
+    return "yes" if numa <= nic_nodes else "no"
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -88,11 +108,32 @@ def render_text(report: dict[str, Any]) -> str:
         )
     if report["assignments"]:
         lines.append("")
-        lines.append(f"{'CPUS':<12} {'NUMA':<6} {'POD':<40} {'CONTAINER':<20} ID")
+        lines.append(
+            f"{'CPUS':<12} {'NUMA':<6} {'NIC-NUMA':<9} {'NEAR-NIC':<9} {'POD':<32} "
+            f"{'CONTAINER':<20} ID"
+        )
         for a in report["assignments"]:
             pod = f"{a['pod_namespace']}/{a['pod_name']}" if a["pod_name"] else a["pod_uid"]
+            nic_numa = (a["nic_numa"] + ("!" if a["nic_strict"] else "")) or "-"
             lines.append(
-                f"{a['cpus']:<12} {a['numa']:<6} {pod:<40} {a['container_name']:<20} "
+                f"{a['cpus'] or '(shared)':<12} {a['numa'] or '-':<6} {nic_numa:<9} "
+                f"{a['nic_honoured']:<9} {pod:<32} {a['container_name']:<20} "
                 f"{a['container_id'][:13]}"
+            )
+        nics = [a for a in report["assignments"] if a["nics"]]
+        if nics:
+            lines.append("")
+            lines.append("NICs (NIC-NUMA '!' = strict):")
+            for a in nics:
+                lines.append(f"  {a['container_name']}: {'; '.join(a['nics'])}")
+    if report.get("degraded"):
+        lines.append("")
+        lines.append("DEGRADED (lost CPUs to hotplug, nothing free replaced them):")
+        for a in report["degraded"]:
+            pod = f"{a['pod_namespace']}/{a['pod_name']}" if a["pod_name"] else a["pod_uid"]
+            runs = a["cpus"] or f"the shared pool {report['shared']}"
+            lines.append(
+                f"  {pod}/{a['container_name']} ({a['container_id'][:13]}): lost {a['lost']}, "
+                f"runs on {runs} until it returns"
             )
     return "\n".join(lines) + "\n"

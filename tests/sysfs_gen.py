@@ -387,3 +387,40 @@ def expected_topology(spec: MachineSpec) -> Topology:
         else:
             cpus.append(CPUInfo(cpu, None, None, None, None, None, False, cpu in spec.isolated))
     return Topology(tuple(cpus))
+
+
+# --- devices (NIC locality) -------------------------------------------------------------------
+
+
+def write_fake_device(
+    root: Path,
+    bus: str,
+    name: str,
+    numa_node: int | None,
+    *,
+    local_cpulist: Iterable[int] | None = None,
+    parent: str | None = None,
+) -> Path:
+    """A FAKE device below a generated tree, for NIC-locality tests: ``bus/<bus>/devices/<name>``
+    links to ``devices/fake-pci0000:00/[<parent>/]<name>``, as the kernel links bus entries
+    into the device tree.  ``numa_node`` (None: no file; -1: "unknown") and ``local_cpulist``
+    go on ``parent`` when given (a virtio NIC's node is its PCI function's), else on the device.
+    Returns the device directory.  Everything written here is named "fake" so it can never be
+    mistaken for a real machine's tree."""
+    root = Path(root)
+    write = _Writer()
+    base = root / "devices" / "fake-pci0000:00"
+    holder = base / parent if parent else base / name
+    device = holder / name if parent else holder
+    device.mkdir(parents=True, exist_ok=True)
+    if numa_node is not None:
+        write(holder / "numa_node", f"{numa_node}\n")
+    if local_cpulist is not None:
+        write(holder / "local_cpulist", cpulist(local_cpulist))
+    link_dir = root / "bus" / bus / "devices"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / name
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(os.path.relpath(device, link_dir), link)
+    return device

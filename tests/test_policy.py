@@ -199,10 +199,13 @@ def test_repeated_create_event_is_idempotent():
     assert second.cpus == first.cpus and state2 == state
 
 
-def test_reserved_must_be_online_and_nonempty():
+def test_reserved_must_be_cpus_of_the_machine_and_nonempty():
     t = topology("xeon-e5-2680v3-2s")
-    with pytest.raises(PolicyError, match="not online"):
+    with pytest.raises(PolicyError, match="not CPUs of this machine"):
         StaticPolicy(t, P("99"))
+    # An offline reserved CPU is fine (hotplug): it reserves nothing until it returns.
+    offline = topology("offline-isolcpus")  # CPUs 5 and 13 offline
+    assert StaticPolicy(offline, P("0,5")).reserved == P("0,5")
     with pytest.raises(PolicyError, match="no reserved CPUs"):
         StaticPolicy(t, CPUSet())
     with pytest.raises(PolicyError, match="reserved_cpu_count"):

@@ -292,7 +292,7 @@ class CRIClient:
         linux = pb.LinuxPodSandboxConfig(
             cgroup_parent=self.cgroup_parent(spec),
             security_context=pb.LinuxSandboxSecurityContext(
-                namespace_options=self._namespaces(spec.share_process_namespace)
+                namespace_options=self._namespaces(spec.share_process_namespace, spec.host_network)
             ),
         )
         if spec.cpu_request_milli or spec.cpu_limit_milli or spec.memory:
@@ -319,13 +319,14 @@ class CRIClient:
         self._pods[r.pod_sandbox_id] = config
         return r.pod_sandbox_id
 
-    def _namespaces(self, share_process_namespace: bool) -> Any:
+    def _namespaces(self, share_process_namespace: bool, host_network: bool = True) -> Any:
         """kubelet's namespacesForPod, sent for the sandbox and again for every container (an
         unset container value would mean POD for all three).  Host network: no CNI needed, and
         no hostname, which the host UTS namespace cannot take."""
         pb = self.pb
         pid = pb.POD if share_process_namespace else pb.CONTAINER
-        return pb.NamespaceOption(network=pb.NODE, pid=pid, ipc=pb.POD)
+        network = pb.NODE if host_network else pb.POD
+        return pb.NamespaceOption(network=network, pid=pid, ipc=pb.POD)
 
     def stop_pod(self, pod_id: str) -> None:
         self.call("StopPodSandbox", self.pb.StopPodSandboxRequest(pod_sandbox_id=pod_id))
@@ -405,7 +406,8 @@ class CRIClient:
                 resources=resources,
                 security_context=pb.LinuxContainerSecurityContext(
                     namespace_options=self._namespaces(
-                        pod_config.linux.security_context.namespace_options.pid == pb.POD
+                        pod_config.linux.security_context.namespace_options.pid == pb.POD,
+                        pod_config.linux.security_context.namespace_options.network == pb.NODE,
                     )
                 ),
             ),

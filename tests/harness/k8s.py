@@ -160,6 +160,9 @@ class PodSpec:
     cpu_limit_milli: int | None = None
     memory: int | str | None = None
     share_process_namespace: bool = False
+    # False: the pod gets its own network namespace from the runtime's CNI plugins (the
+    # containerd instance must then have a CNI configuration; see e2e/test_nic_locality.py).
+    host_network: bool = True
 
     def __post_init__(self) -> None:
         if self.qos is None:

@@ -1,0 +1,478 @@
+"""NIC NUMA locality: which NUMA nodes a pod's network interfaces are attached to.
+
+Kubelet cannot place CPUs next to a pod's NIC.  We can, because the runtime tells us the pod's
+network namespace (NRI ``PodSandbox.linux.namespaces``, ``linux.namespaces`` in config.json on
+the hook path), and the kernel describes every interface over netlink
+(docs/oci-hooks-and-cgroups.md §6.5-6.6):
+
+1. List the links inside the pod's netns.  The namespace file is opened read-only and entered
+   by a short-lived thread just long enough to create a netlink socket there: nothing is ever
+   created (pyroute2's own netns helpers default to ``O_CREAT``, which would mount a fresh empty
+   netns under a mistyped name), the daemon's threads stay in their namespace, and it costs
+   ~0.3 ms where pyroute2's forked helper costs ~17 ms per container.  The messages are built
+   and parsed by pyroute2 (``ifinfmsg``, ``MarshalRtnl``).
+2. Each interface's parent device: ``IFLA_PARENT_DEV_NAME`` / ``IFLA_PARENT_DEV_BUS_NAME``
+   (Linux >= 5.14).  A macvlan/ipvlan/vlan has none; its lower device (``IFLA_LINK``, in the
+   netns ``IFLA_LINK_NETNSID`` names) is looked up instead when it lives in our own netns.
+   veth, bridges and the like are virtual: no preference.
+3. ``<sysfs>/bus/<bus>/devices/<dev>/numa_node``, walking up the device path to the first
+   device that has one (a virtio NIC's node is its PCI function's).  -1 means the firmware
+   does not say: no preference.  ``local_cpulist`` is used when ``numa_node`` is absent.
+
+Host-network pods get no NIC preference unless an annotation names interfaces (of the host).
+Annotations are untrusted: they choose among the CPUs the container is entitled to, never more;
+"strict" only lets a pod fail its own creation rather than run far from its NIC.
+
+pyroute2 is imported on first use only: importing it costs ~280 ms (its package imports every
+submodule), which the OCI hook pays only for exclusive containers in pods with a NIC to find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .cpuset import CPUSet
+from .policy import NICPreference, PolicyError
+from .topology import Topology
+
+if TYPE_CHECKING:  # socket and threading are imported when a namespace is inspected
+    import socket
+
+# "net1,net2": only these interfaces count (default: every interface with a device).  On a
+# host-network pod this is what turns locality on, naming host interfaces.
+NICS_ANNOTATION = "nics.nri-cpuplugin.io"
+# "prefer" (default) | "strict" (fail rather than place elsewhere) | "off" (no preference).
+LOCALITY_ANNOTATION = "nic-locality.nri-cpuplugin.io"
+MODES = ("prefer", "strict", "off")
+# Bounds on untrusted input and on the work one creation may cause.
+MAX_NAMED = 16
+IFNAMSIZ = 16
+MAX_LINKS = 4096
+NETLINK_TIMEOUT = 1.0
+CLONE_NEWNET = 0x40000000
+# Link kinds whose NIC is their lower device (IFLA_LINK).  veth's IFLA_LINK is its peer, which
+# is virtual too.
+STACKED_KINDS = frozenset({"macvlan", "macvtap", "ipvlan", "ipvtap", "vlan"})
+NETWORK = "network"
+
+
+class NICError(Exception):
+    """The pod's network namespace could not be inspected; the message says why."""
+
+
+@dataclass(frozen=True)
+class NIC:
+    """One interface of the pod and where its device sits."""
+
+    name: str
+    device: str = ""  # "<bus>/<device>" of the parent device; empty for virtual interfaces
+    numa: int | None = None  # None: no preference (virtual, -1, or not described)
+    via: str = ""  # the lower (host) interface it was resolved through
+
+    def describe(self) -> str:
+        if not self.device:
+            return f"{self.name} (virtual: no NUMA preference)"
+        via = f" via {self.via}" if self.via else ""
+        where = f"NUMA {self.numa}" if self.numa is not None else "no NUMA preference"
+        return f"{self.name} ({self.device}{via}, {where})"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the pod's annotations ask for."""
+
+    names: tuple[str, ...] | None = None  # None: every interface of the pod's netns
+    mode: str = "prefer"
+
+
+@dataclass(frozen=True)
+class Locality:
+    """The outcome for one container: the preference for the policy, and what to explain."""
+
+    preference: NICPreference | None
+    nics: tuple[NIC, ...]
+    note: str  # one sentence for the audit trail
+
+    @property
+    def nodes(self) -> CPUSet:
+        return self.preference.nodes if self.preference is not None else CPUSet()
+
+
+# --- input: annotations and namespaces --------------------------------------------------------
+
+
+def request(annotations: Mapping[str, str], container_name: str) -> Request:
+    """The NIC request of a container; the container-specific annotation wins.  Raises
+    PolicyError for values the pod author must fix (a silent guess would hide the typo)."""
+    names_text = _annotation(annotations, NICS_ANNOTATION, container_name)
+    mode_text = _annotation(annotations, LOCALITY_ANNOTATION, container_name)
+    mode = "prefer"
+    if mode_text is not None:
+        mode = mode_text.strip().lower()
+        if mode not in MODES:
+            raise PolicyError(
+                f"annotation {LOCALITY_ANNOTATION}={mode_text!r}: expected one of "
+                f"{', '.join(MODES)}"
+            )
+    names = None
+    if names_text is not None:
+        names = tuple(n.strip() for n in names_text.split(",") if n.strip())
+        if not names or len(names) > MAX_NAMED:
+            raise PolicyError(
+                f"annotation {NICS_ANNOTATION}={names_text!r}: expected 1 to {MAX_NAMED} "
+                "comma-separated interface names"
+            )
+        for name in names:
+            bad = "/" in name or name in (".", "..") or not name.isprintable()
+            if bad or len(name) >= IFNAMSIZ:
+                raise PolicyError(
+                    f"annotation {NICS_ANNOTATION}: {name!r} is not a valid interface name"
+                )
+    return Request(names, mode)
+
+
+def _annotation(annotations: Mapping[str, str], key: str, container: str) -> str | None:
+    for name in (f"{key}/container.{container}", key):
+        if name in annotations:
+            return annotations[name]
+    return None
+
+
+def netns_path(namespaces: Iterable[Any]) -> str | None:
+    """The network namespace path among NRI ``LinuxNamespace`` messages or OCI
+    ``linux.namespaces`` entries (dicts); None for the host network (no such entry, or one
+    without a path, which on a container means "a new one the runtime makes")."""
+    for ns in namespaces:
+        kind = ns.get("type") if isinstance(ns, Mapping) else getattr(ns, "type", None)
+        path = ns.get("path") if isinstance(ns, Mapping) else getattr(ns, "path", None)
+        if kind == NETWORK and isinstance(path, str) and path:
+            return path
+    return None
+
+
+# --- netlink ------------------------------------------------------------------------------------
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def netlink_socket(netns: str | None) -> socket.socket:
+    """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
+    import socket
+    import threading
+
+    flags = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+    if netns is None:
+        return socket.socket(socket.AF_NETLINK, flags, 0)
+    try:
+        # No O_CREAT, ever: attach to what exists or fail.
+        ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise NICError(f"cannot open network namespace {netns}: {err.strerror}") from None
+    result: dict[str, Any] = {}
+
+    def enter() -> None:
+        # setns(CLONE_NEWNET) changes only this thread, which ends right after: even if going
+        # back failed, no other thread of the process would ever run in the pod's namespace.
+        libc = _libc()
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(ns_fd, CLONE_NEWNET) != 0:
+                code = _errno()
+                result["error"] = NICError(
+                    f"cannot enter network namespace {netns}: {os.strerror(code)}"
+                    + (" (not a network namespace?)" if code == errno.EINVAL else "")
+                )
+                return
+            try:
+                result["sock"] = socket.socket(socket.AF_NETLINK, flags, 0)
+            finally:
+                libc.setns(own, CLONE_NEWNET)
+        except OSError as err:
+            result["error"] = NICError(f"netlink socket in {netns}: {err.strerror}")
+        finally:
+            os.close(own)
+
+    try:
+        thread = threading.Thread(target=enter, name="nri-cpuplugin-netns", daemon=True)
+        thread.start()
+        thread.join()
+    finally:
+        os.close(ns_fd)
+    if "error" in result:
+        raise result["error"]
+    return result["sock"]
+
+
+def _errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()
+
+
+def _request(sock: socket.socket, msg: Any, msg_type: int, flags: int, seq: int) -> list[Any]:
+    """Send one request, return the parsed answers (all parts of a dump)."""
+    from pyroute2.netlink import NLM_F_MULTI, NLMSG_DONE
+    from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+
+    msg["header"]["type"] = msg_type
+    msg["header"]["flags"] = flags
+    msg["header"]["sequence_number"] = seq
+    msg.encode()
+    sock.settimeout(NETLINK_TIMEOUT)
+    sock.send(msg.data)
+    marshal = MarshalRtnl()
+    answers: list[Any] = []
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            raise NICError("the kernel did not answer a netlink request in time") from None
+        for part in marshal.parse(data):
+            if part["header"]["sequence_number"] != seq:
+                continue
+            error = part["header"].get("error")
+            if error is not None:
+                raise NICError(f"netlink: {error}")
+            if part["header"]["type"] == NLMSG_DONE:
+                return answers
+            answers.append(part)
+            if len(answers) > MAX_LINKS:
+                raise NICError(f"more than {MAX_LINKS} links: refusing to go on")
+            if not part["header"]["flags"] & NLM_F_MULTI:
+                return answers
+
+
+def _links(sock: socket.socket) -> list[Any]:
+    from pyroute2.netlink import NLM_F_DUMP, NLM_F_REQUEST
+    from pyroute2.netlink.rtnl import RTM_GETLINK
+    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
+    return _request(sock, ifinfmsg(), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1)
+
+
+def _link_by_index(sock: socket.socket, index: int) -> Any | None:
+    from pyroute2.netlink import NLM_F_REQUEST
+    from pyroute2.netlink.rtnl import RTM_GETLINK
+    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
+    msg = ifinfmsg()
+    msg["index"] = index
+    try:
+        answers = _request(sock, msg, RTM_GETLINK, NLM_F_REQUEST, 3)
+    except NICError:
+        return None  # gone meanwhile (ENODEV): nothing to say about it
+    return answers[0] if answers else None
+
+
+def _nsid_of_own_netns(sock: socket.socket) -> int | None:
+    """The id under which the namespace behind ``sock`` knows *our* network namespace."""
+    from pyroute2.netlink import NLM_F_REQUEST
+    from pyroute2.netlink.rtnl import RTM_GETNSID
+    from pyroute2.netlink.rtnl.nsidmsg import nsidmsg
+
+    fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        msg = nsidmsg()
+        msg["attrs"].append(("NETNSA_FD", fd))
+        answers = _request(sock, msg, RTM_GETNSID, NLM_F_REQUEST, 2)
+    finally:
+        os.close(fd)
+    for answer in answers:
+        nsid = answer.get_attr("NETNSA_NSID")
+        if nsid is not None and nsid < 0xFFFFFFFF:  # -1 (unsigned) means "no id assigned"
+            return nsid
+    return None
+
+
+@dataclass(frozen=True)
+class Link:
+    """What netlink says about one interface (the part we use)."""
+
+    index: int
+    name: str
+    kind: str
+    parent_bus: str
+    parent_dev: str
+    lower: int | None  # IFLA_LINK
+    lower_nsid: int | None  # IFLA_LINK_NETNSID
+    loopback: bool
+
+
+def _link(msg: Any) -> Link:
+    link = msg.get_attr("IFLA_LINK")
+    return Link(
+        index=msg["index"],
+        name=msg.get_attr("IFLA_IFNAME") or "",
+        kind=msg.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or "",
+        parent_bus=msg.get_attr("IFLA_PARENT_DEV_BUS_NAME") or "",
+        parent_dev=msg.get_attr("IFLA_PARENT_DEV_NAME") or "",
+        lower=link if link and link != msg["index"] else None,
+        lower_nsid=msg.get_attr("IFLA_LINK_NETNSID"),
+        loopback=bool(msg["flags"] & 0x8),  # IFF_LOOPBACK
+    )
+
+
+def list_links(netns: str | None) -> tuple[list[Link], dict[int, Link] | None]:
+    """(links of ``netns``, the lower devices of its stacked links that live in our own
+    namespace, by index; None when there are none)."""
+    with contextlib.closing(netlink_socket(netns)) as sock:
+        links = [_link(m) for m in _links(sock)]
+        stacked = [x for x in links if x.kind in STACKED_KINDS and x.lower is not None]
+        if not stacked:
+            return links, None
+        if netns is None:
+            return links, {x.index: x for x in links}
+        own_id = _nsid_of_own_netns(sock)
+    wanted = {x.lower for x in stacked if own_id is not None and x.lower_nsid == own_id}
+    if not wanted:
+        return links, None
+    own: dict[int, Link] = {}
+    with contextlib.closing(netlink_socket(None)) as sock:
+        for index in sorted(i for i in wanted if i is not None):
+            msg = _link_by_index(sock, index)
+            if msg is not None:
+                own[index] = _link(msg)
+    return links, own
+
+
+# --- sysfs ----------------------------------------------------------------------------------
+
+
+def device_numa(sysfs: str, bus: str, device: str, topology: Topology | None = None) -> int | None:
+    """NUMA node of ``<sysfs>/bus/<bus>/devices/<device>`` or of the nearest ancestor device
+    that has one; None when nothing says (-1, absent, outside the sysfs root)."""
+    for name in (bus, device):
+        if not name or "/" in name or name in (".", ".."):
+            return None
+    root = os.path.realpath(sysfs)
+    try:
+        path = Path(os.path.realpath(os.path.join(root, "bus", bus, "devices", device)))
+    except OSError:
+        return None
+    devices = Path(root) / "devices"
+    while devices in path.parents:
+        node = _read_int(path / "numa_node")
+        if node is not None:
+            return node if node >= 0 else None
+        local = _read_text(path / "local_cpulist")
+        if local is not None and topology is not None:
+            try:
+                cpus = CPUSet.parse(local) & topology.online
+            except ValueError:
+                cpus = CPUSet()
+            nodes = topology.numa_of(cpus)
+            # All online CPUs is what the kernel prints when it knows nothing (-1).
+            if len(nodes) == 1 and cpus != topology.online:
+                return min(nodes)
+        path = path.parent
+    return None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read(4096).strip()
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+# --- putting it together ------------------------------------------------------------------------
+
+
+def resolve(
+    links: list[Link], own: Mapping[int, Link] | None, sysfs: str, topology: Topology | None
+) -> list[NIC]:
+    """The NICs behind ``links`` (loopback skipped)."""
+    nics = []
+    for link in links:
+        if link.loopback:
+            continue
+        device, via = "", ""
+        bus, dev = link.parent_bus, link.parent_dev
+        if not dev and link.kind in STACKED_KINDS and link.lower is not None and own is not None:
+            lower = own.get(link.lower)
+            if lower is not None:
+                bus, dev, via = lower.parent_bus, lower.parent_dev, lower.name
+        numa = None
+        if dev:
+            device = f"{bus or '?'}/{dev}"
+            numa = device_numa(sysfs, bus, dev, topology) if bus else None
+        nics.append(NIC(link.name, device, numa, via))
+    return nics
+
+
+def locality(
+    netns: str | None,
+    annotations: Mapping[str, str],
+    container_name: str,
+    sysfs: str,
+    topology: Topology | None = None,
+    lister: Any = None,
+) -> Locality:
+    """The NIC preference of one container (see the module docstring).  Raises PolicyError
+    for bad annotations, and when locality is strict but the NICs cannot be inspected."""
+    asked = request(annotations, container_name)
+    if asked.mode == "off":
+        return Locality(None, (), f"NIC locality turned off by {LOCALITY_ANNOTATION}")
+    if netns is None and asked.names is None:
+        return Locality(None, (), "host network: no NIC preference unless annotated")
+    where = netns or "the host network namespace"
+    try:
+        links, own = (lister or list_links)(netns)
+    except (NICError, OSError) as err:
+        if asked.mode == "strict":
+            raise PolicyError(
+                f"NIC locality is strict but the interfaces in {where} cannot be read: {err}"
+            ) from None
+        return Locality(None, (), f"no NIC preference: cannot inspect {where}: {err}")
+    nics = resolve(links, own, sysfs, topology)
+    if asked.names is not None:
+        by_name = {nic.name: nic for nic in nics}
+        missing = [n for n in asked.names if n not in by_name]
+        if missing and asked.mode == "strict":
+            raise PolicyError(
+                f"NIC locality is strict but {', '.join(missing)} not found in {where} "
+                f"(has: {', '.join(sorted(by_name)) or 'nothing'})"
+            )
+        nics = [by_name[n] for n in asked.names if n in by_name]
+    else:
+        nics = [nic for nic in nics if nic.device]  # virtual interfaces say nothing
+    nodes = CPUSet(nic.numa for nic in nics if nic.numa is not None)
+    if topology is not None:
+        nodes &= CPUSet(topology.numa_nodes)
+    described = tuple(nic.describe() for nic in nics)
+    if not nodes:
+        if not described:
+            return Locality(None, (), f"no NIC preference in {where}: no interface with a device")
+        # Kept (without nodes: no preference) so that status can show which NICs were seen.
+        return Locality(
+            NICPreference(CPUSet(), False, described),
+            tuple(nics),
+            f"no NIC preference in {where}: {'; '.join(described)}",
+        )
+    strict = asked.mode == "strict"
+    return Locality(
+        NICPreference(nodes, strict, described),
+        tuple(nics),
+        f"NICs on NUMA {nodes}{' (strict)' if strict else ''}: {'; '.join(described)}",
+    )

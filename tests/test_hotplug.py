@@ -1,0 +1,309 @@
+"""CPU hotplug in the daemon: real kernel uevents through the asyncio loop, the plugin following
+topology changes of generated sysfs trees (state, unsolicited updates, audit, status), repair
+at start, and the cgroup v1 repairs on this machine's real cgroup hierarchy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sysfs_gen import MachineSpec, write_sysfs
+
+from nri_cpuplugin import cgroupfs, hotplug
+from nri_cpuplugin.audit import Audit
+from nri_cpuplugin.config import Settings
+from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.plugin import CPUPlugin
+from nri_cpuplugin.status import render_text, snapshot
+
+P = CPUSet.parse
+SPEC = MachineSpec(name="hotplug-8", sockets=2, cores_per_socket=4, threads_per_core=1)
+
+
+# --- uevents ------------------------------------------------------------------------------------
+
+
+def test_cpu_events_are_recognised_and_everything_else_ignored():
+    def msg(**fields):
+        return {"ACTION": "offline", "SUBSYSTEM": "cpu", "DEVPATH": "/devices/system/cpu/cpu3",
+                "SEQNUM": "42", **fields}  # fmt: skip
+
+    assert hotplug.cpu_event(msg(), 1.0) == hotplug.CPUEvent("offline", 3, 42, 1.0)
+    assert hotplug.cpu_event(msg(ACTION="online", SEQNUM="x"), 2.0).seqnum is None
+    assert hotplug.cpu_event(msg(SUBSYSTEM="cpuid"), 1.0) is None
+    assert hotplug.cpu_event(msg(ACTION="change"), 1.0) is None
+    assert hotplug.cpu_event(msg(DEVPATH="/devices/system/cpu/cpufreq"), 1.0) is None
+
+
+def test_the_listener_delivers_real_kernel_uevents_through_the_loop():
+    """A synthetic uevent (written to the CPU's ``uevent`` file) travels the same path as a
+    real hotplug one - kernel, netlink, epoll, our reader - without changing anything."""
+    cpu = max(int(p.name[3:]) for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*"))
+
+    async def main() -> list[hotplug.CPUEvent]:
+        got: asyncio.Queue = asyncio.Queue()
+        listener = hotplug.UeventListener(got.put_nowait)
+        listener.start(asyncio.get_running_loop())
+        try:
+            Path(f"/sys/devices/system/cpu/cpu{cpu}/uevent").write_text("online")
+            return await asyncio.wait_for(got.get(), 5)
+        finally:
+            listener.close()
+
+    [event] = asyncio.run(main())
+    assert (event.action, event.cpu) == ("online", cpu)
+    assert event.seqnum is not None and event.received <= time.monotonic()
+
+
+# --- the plugin following generated trees ----------------------------------------------------
+
+
+class Records(list):
+    def __call__(self, record):
+        self.append(record)
+
+    def of(self, action):
+        return [r for r in self if r["ACTION"] == action]
+
+
+class FakeStub:
+    def __init__(self) -> None:
+        self.sent: list[list[pb.ContainerUpdate]] = []
+
+    def schedule_update_containers(self, updates, done=None):
+        self.sent.append(list(updates))
+
+
+class Machine:
+    """A sysfs root that is a symlink, so a test can swap the whole tree as hotplug would."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.root = tmp_path / "sysfs"
+        self.n = 0
+
+    def set(self, offline: set[int] = frozenset()) -> None:
+        self.n += 1
+        tree = write_sysfs(
+            MachineSpec(**{**SPEC.__dict__, "offline": frozenset(offline)}),
+            self.tmp / f"tree-{self.n}",
+        )
+        tmp_link = self.tmp / "sysfs.new"
+        os.symlink(tree, tmp_link)
+        os.replace(tmp_link, self.root)
+
+
+def pod(name: str, qos: str = "guaranteed") -> pb.PodSandbox:
+    sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="ns")
+    sandbox.linux.cgroup_parent = (
+        f"/kubepods/pod{name}" if qos == "guaranteed" else f"/kubepods/{qos}/pod{name}"
+    )
+    return sandbox
+
+
+def container(name: str, sandbox: pb.PodSandbox, milli: int) -> pb.Container:
+    c = pb.Container(id=f"{name:0<64}", pod_sandbox_id=sandbox.id, name=name, state=3)
+    c.linux.resources.cpu.shares.value = max(2, milli * 1024 // 1000)
+    c.linux.resources.cpu.period.value = 100000
+    c.linux.resources.cpu.quota.value = milli * 100
+    return c
+
+
+@pytest.fixture
+def node(tmp_path):
+    machine = Machine(tmp_path)
+    machine.set()
+    records = Records()
+    settings = Settings(
+        sysfs=str(machine.root), state_dir=str(tmp_path / "state"), reserved_cpus=P("0")
+    )
+    plugin = CPUPlugin(settings, Audit(records))
+    asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
+    plugin.stop_hotplug()  # events are injected below; real ones would only find no change
+    plugin.stub = FakeStub()
+    return machine, plugin, records
+
+
+def event(action: str, cpu: int) -> list[hotplug.CPUEvent]:
+    return [hotplug.CPUEvent(action, cpu, None, time.monotonic())]
+
+
+def cpus_of(update: pb.ContainerUpdate) -> str:
+    return update.linux.resources.cpu.cpus
+
+
+def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node, tmp_path):
+    machine, plugin, records = node
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    db = pod("db")
+    adjust, _ = plugin.create_container(db, container("pg", db, 7000))
+    assert adjust.linux.resources.cpu.cpus == "1-7"
+    pg, nginx = "pg".ljust(64, "0"), "nginx".ljust(64, "0")
+
+    machine.set(offline={7})  # partial loss: nothing free to replace it
+    plugin.cpu_events(event("offline", 7))
+    held = plugin.state.assignments[pg]
+    assert (held.cpus, held.lost) == (P("1-6"), P("7")) and held.degraded
+    [updates] = plugin.stub.sent
+    assert {u.container_id: cpus_of(u) for u in updates} == {pg: "1-6"}
+    assert records.of("degraded") and records.of("hotplug")
+    assert records.of("hotplug-applied")[-1]["CONTAINERS"] == "1"
+
+    report = snapshot(plugin.settings.state_dir, str(machine.root))
+    assert [a["container_name"] for a in report["degraded"]] == ["pg"]
+    assert "DEGRADED" in render_text(report) and "lost 7" in render_text(report)
+
+    machine.set()  # back online: the CPU returns to the container that lost it
+    plugin.cpu_events(event("online", 7))
+    held = plugin.state.assignments[pg]
+    assert (held.cpus, held.lost) == (P("1-7"), CPUSet())
+    assert {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]} == {pg: "1-7"}
+    assert records.of("cpu-restored")
+    assert plugin.state.shared == P("0")
+    assert nginx in plugin.state.sharing
+
+
+def test_a_container_that_loses_its_only_cpu_runs_shared_and_bounded_meanwhile(node):
+    machine, plugin, _records = node
+    db = pod("db")
+    plugin.create_container(db, container("one", db, 1000))
+    rest = pod("rest")
+    plugin.create_container(rest, container("six", rest, 6000))
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    one, nginx = "one".ljust(64, "0"), "nginx".ljust(64, "0")
+    machine.set(offline={1})
+    plugin.cpu_events(event("offline", 1))
+    held = plugin.state.assignments[one]
+    assert held.cpus == CPUSet() and held.lost == P("1")
+    [updates] = plugin.stub.sent
+    update = {u.container_id: u for u in updates}[one]
+    cpu = update.linux.resources.cpu
+    assert cpu.cpus == "0" and cpu.quota.value == 100000 and cpu.period.value == 100000
+    assert nginx not in {u.container_id for u in updates}  # the pool did not change
+    # It follows the shared pool like any shared container until its CPU returns.
+    assert one in {u.container_id for u in plugin._sibling_updates(exclude="")}
+    machine.set()
+    plugin.cpu_events(event("online", 1))
+    update = {u.container_id: u for u in plugin.stub.sent[-1]}[one]
+    assert update.linux.resources.cpu.cpus == "1" and update.linux.resources.cpu.quota.value == -1
+
+
+def test_a_replacement_is_preferred_and_the_returning_cpu_joins_the_shared_pool(node):
+    machine, plugin, records = node
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))  # 1-2 on socket 0 (CPUs 0-3)
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    pg, nginx = "pg".ljust(64, "0"), "nginx".ljust(64, "0")
+    assert plugin.state.assignments[pg].cpus == P("1-2")
+    machine.set(offline={2})
+    plugin.cpu_events(event("offline", 2))
+    held = plugin.state.assignments[pg]
+    assert held.cpus == P("1,3") and not held.lost  # same NUMA node
+    [change] = records.of("cpu-replaced")
+    assert "same NUMA node" in change["MESSAGE"]
+    sent = {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]}
+    assert sent == {pg: "1,3", nginx: "0,4-7"}
+    machine.set()
+    plugin.cpu_events(event("online", 2))
+    assert plugin.state.shared == P("0,2,4-7")
+    assert {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]} == {nginx: "0,2,4-7"}
+
+
+def test_events_without_a_change_do_nothing(node):
+    _machine, plugin, records = node
+    plugin.cpu_events(event("online", 3))
+    assert plugin.stub.sent == [] and records.of("hotplug")[-1]["PRIORITY"] == "7"
+
+
+def test_a_change_while_nothing_ran_is_repaired_at_start_not_refused(node, tmp_path):
+    machine, plugin, _records = node
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    machine.set(offline={2, 5})
+    again = Records()
+    restarted = CPUPlugin(plugin.file_settings, Audit(again))
+    restarted.load_state()
+    pg = "pg".ljust(64, "0")
+    assert restarted.state.assignments[pg].cpus == P("1,3")  # replaced on its node
+    assert again.of("state-repair") and not again.of("state-rebuild")
+    assert again.of("cpu-replaced")  # what changed is audited like a live event
+    assert not list((tmp_path / "state").glob("state.json.bad-*"))
+    assert restarted.state.shared == P("0,4,6-7")
+    assert restarted.state.fingerprint == restarted.policy.topology.fingerprint()
+
+
+# --- cgroup v1 repairs, on this machine's real hierarchy ---------------------------------------
+
+
+@pytest.fixture
+def v1_tree():
+    layout = cgroupfs.detect()
+    if layout.version != cgroupfs.V1:
+        pytest.fail("this test needs the cgroup v1 cpuset hierarchy of the CI machine")
+    top = f"/nri-hotplug-test-{secrets.token_hex(3)}"
+    container = f"{top}/pod/ctr"
+    made = []
+    for root in (layout.cpuset_root, layout.cpu_root):
+        for path in (top, f"{top}/pod", container):
+            os.mkdir(root + path)
+            made.append(root + path)
+            if root == layout.cpuset_root:
+                Path(root + path, "cpuset.mems").write_text("0")
+                Path(root + path, "cpuset.cpus").write_text("0")
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield layout, container, proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+        time.sleep(0.05)
+        for path in reversed(made):
+            os.rmdir(path)
+
+
+def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
+    layout, container, pid = v1_tree
+    cpuset, cpu = layout.cpuset_root, layout.cpu_root
+    Path(cpu + container, "cgroup.procs").write_text(str(pid))
+    # What cgroup v1 does when a cpuset loses its last CPU: the task moves to the parent, in
+    # the cpuset hierarchy only.
+    Path(cpuset + container.rsplit("/", 1)[0], "cgroup.procs").write_text(str(pid))
+    applied = hotplug.apply(layout, [hotplug.Target("c" * 64, container, P("1"), P("0"))])
+    assert applied.errors == [] and applied.returned == {"c" * 64: 1}
+    top = container.split("/")[1]
+    assert Path(cpuset, top, "cpuset.cpus").read_text().strip() == "0-1"
+    assert Path(cpuset + container, "cpuset.cpus").read_text().strip() == "1"
+    assert Path(cpuset + container, "cgroup.procs").read_text().split() == [str(pid)]
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Cpus_allowed_list:\t1\n" in status
+
+
+def test_tasks_of_other_containers_are_left_alone(v1_tree):
+    layout, container, pid = v1_tree
+    parent = container.rsplit("/", 1)[0]
+    Path(layout.cpuset_root + parent, "cgroup.procs").write_text(str(pid))  # not ours in cpu
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert hotplug.return_evicted_tasks(fs, container) == 0
+    assert Path(layout.cpuset_root + parent, "cgroup.procs").read_text().split() == [str(pid)]
+
+
+def test_ancestors_get_returning_cpus_back_and_the_container_is_left_alone(v1_tree):
+    layout, container, _ = v1_tree
+    parts = container.strip("/").split("/")
+    assert hotplug.grow_ancestors(layout, [container], P("1")) == []
+    cpus = [
+        Path(layout.cpuset_root, *parts[:depth], "cpuset.cpus").read_text().strip()
+        for depth in range(1, len(parts) + 1)
+    ]
+    assert cpus == ["0-1", "0-1", "0"]
