@@ -28,6 +28,7 @@ from .bench_e2e import (  # noqa: E402
     plot_noisy_neighbour,
 )
 from .bench_hook import bench_hook_contention, bench_hook_latency  # noqa: E402
+from .bench_hw import bench_hotplug_latency, bench_nic_inspection  # noqa: E402
 from .bench_nri import (  # noqa: E402
     bench_create_decode_encode,
     bench_plugin_handlers,
@@ -313,7 +314,43 @@ def section_operations(quick: bool) -> list[str]:
     ]
 
 
-SECTIONS = ("foundation", "transport", "plugin", "hook", "operations")
+def section_hardware(quick: bool) -> list[str]:
+    hotplug = bench_hotplug_latency(5 if quick else 20)
+    nic = bench_nic_inspection(50 if quick else 300)
+    return [
+        "## Hardware awareness (issue 7)",
+        "",
+        f"CPU 1 of this machine taken offline and back {hotplug['cycles']} times under "
+        "containerd 2.1.9 with the daemon, an exclusive container on CPU 1 and a shared one on "
+        "CPU 0. From the kernel's uevent (as received by the benchmark's own netlink socket, "
+        "multicast at the same instant as the daemon's) until the affected container's cgroup "
+        "holds its new cpuset and its process runs there:",
+        "",
+        "| event | cycles | median | max |",
+        "|---|---|---|---|",
+        f"| offline | {hotplug['offline']['n']} | {_ms(hotplug['offline']['median_ms'])} | "
+        f"{_ms(hotplug['offline']['max_ms'])} |",
+        f"| online | {hotplug['online']['n']} | {_ms(hotplug['online']['median_ms'])} | "
+        f"{_ms(hotplug['online']['max_ms'])} |",
+        "",
+        "The plugin's CreateContainer handler for an exclusive container whose pod has its own "
+        "network namespace (real netns, veth; veth + macvlan on the host NIC), against the same "
+        "handler for a host-network pod (no inspection), alternating:",
+        "",
+        "| pod network | samples | median | p99 |",
+        "|---|---|---|---|",
+        _row("host network (no inspection)", nic["create_host_network"]),
+        _row("netns with veth", nic["create_netns_veth"]),
+        _row("netns with veth + macvlan", nic["create_netns_veth_macvlan"]),
+        "",
+        f"Added median: {nic['added_median_ms_veth']:.2f} ms (ratio "
+        f"{nic['ratio_veth']:.2f}) with veth, {nic['added_median_ms_veth_macvlan']:.2f} ms "
+        f"(ratio {nic['ratio_veth_macvlan']:.2f}) with veth + macvlan.",
+        "",
+    ]
+
+
+SECTIONS = ("foundation", "transport", "plugin", "hook", "operations", "hardware")
 
 
 def main() -> None:
@@ -338,6 +375,7 @@ def main() -> None:
         "plugin": section_plugin,
         "hook": section_hook,
         "operations": section_operations,
+        "hardware": section_hardware,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:
