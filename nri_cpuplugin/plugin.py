@@ -245,7 +245,7 @@ class CPUPlugin:
             self.metrics.pinning_request()
             self.metrics.pinning_error()
             self.audit.record(
-                "refuse", str(err), audit_mod.ERR, reason=str(err), **_identity(workload)
+                "refuse", str(err), audit_mod.ERR, reason=str(err), **workload.identity()
             )
             raise
         if decision.exclusive:
@@ -336,7 +336,7 @@ class CPUPlugin:
             honoured=verdict.split(":")[0],
             cpus=decision.cpus,
             mems=decision.mems,
-            **_identity(workload),
+            **workload.identity(),
         )
 
     # --- CPU hotplug ----------------------------------------------------------------------------
@@ -511,33 +511,7 @@ class CPUPlugin:
         )
 
     def _audit_hotplug(self, followed: Followed) -> None:
-        actions = {
-            "replaced": ("cpu-replaced", audit_mod.NOTICE),
-            "degraded": ("degraded", audit_mod.WARNING),
-            "preempted": ("degraded", audit_mod.WARNING),
-            "restored": ("cpu-restored", audit_mod.NOTICE),
-        }
-        for change in followed.changes:
-            action, priority = actions[change.action]
-            held = followed.state.assignments.get(change.container_id)
-            who = (
-                f"{held.pod_namespace}/{held.pod_name}/{held.container_name}"
-                if held is not None
-                else change.container_id[:12]
-            )
-            self.audit.record(
-                action,
-                f"{who}: {change.reason}; holds {change.held or 'nothing (shared pool)'}"
-                + (f", owed {change.lost}" if change.lost else ""),
-                priority,
-                container_id=change.container_id,
-                cpus=change.cpus,
-                held_cpus=change.held,
-                lost_cpus=change.lost,
-                reason=change.reason,
-                pod_name=held.pod_name if held else None,
-                pod_namespace=held.pod_namespace if held else None,
-            )
+        hotplug.audit_changes(self.audit, followed)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -635,7 +609,7 @@ class CPUPlugin:
                 cpus=decision.cpus,
                 mems=decision.mems,
                 shared_cpus=decision.shared_after,
-                **_identity(workload),
+                **workload.identity(),
             )
         else:
             self.audit.record(
@@ -645,7 +619,7 @@ class CPUPlugin:
                 audit_mod.DEBUG,
                 reason=decision.reason,
                 cpus=decision.cpus,
-                **_identity(workload),
+                **workload.identity(),
             )
         self._audit_resize(decision)
 
@@ -659,16 +633,6 @@ class CPUPlugin:
                 shared_cpus=decision.shared_after,
                 old_shared_cpus=decision.shared_before,
             )
-
-
-def _identity(workload: Workload) -> dict[str, str]:
-    return {
-        "container_id": workload.container_id,
-        "container_name": workload.container_name,
-        "pod_uid": workload.pod_uid,
-        "pod_name": workload.pod_name,
-        "pod_namespace": workload.pod_namespace,
-    }
 
 
 def _cpus(container: pb.Container) -> CPUSet:

@@ -41,6 +41,16 @@ class Workload:
             raise ValueError(f"unknown QoS class {self.qos!r}; expected one of {QOS_CLASSES}")
         object.__setattr__(self, "annotations", MappingProxyType(dict(self.annotations)))
 
+    def identity(self) -> dict[str, str]:
+        """Who this container is, as audit record fields."""
+        return {
+            "container_id": self.container_id,
+            "container_name": self.container_name,
+            "pod_uid": self.pod_uid,
+            "pod_name": self.pod_name,
+            "pod_namespace": self.pod_namespace,
+        }
+
     @property
     def integer_cpus(self) -> int | None:
         """Whole CPUs requested, or None when the request is fractional or zero."""
