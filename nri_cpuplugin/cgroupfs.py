@@ -436,6 +436,22 @@ def lift_quota(tx: Transaction, cpu_path: str) -> bool:
     return True
 
 
+def limit_quota(tx: Transaction, cpu_path: str, quota_us: int, period_us: int = 100_000) -> bool:
+    """Put a CFS quota back (a degraded exclusive container that runs in the shared pool is
+    bounded by its CPU limit again).  v1 ``cpu.cfs_quota_us``; v2 ``cpu.max``."""
+    fs = tx.fs
+    if fs.layout.version == V2:
+        want = f"{quota_us} {period_us}"
+        if fs.read("cpu", cpu_path, "cpu.max") == want:
+            return False
+        tx.write("cpu", cpu_path, "cpu.max", want)
+        return True
+    if fs.read("cpu", cpu_path, "cpu.cfs_quota_us") == str(quota_us):
+        return False
+    tx.write("cpu", cpu_path, "cpu.cfs_quota_us", str(quota_us))
+    return True
+
+
 # --- helpers ---------------------------------------------------------------------------------
 
 

@@ -39,21 +39,31 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TextIO
 
 import orjson
 
 from . import cgroupfs, oci
-from .audit import DEBUG, ERR, WARNING, Audit
+from .audit import DEBUG, ERR, INFO, WARNING, Audit
 from .cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
 from .config import ConfigError, Settings
 from .cpuset import CPUSet
-from .policy import EXCLUSIVE_ANNOTATION, ISOLATED_ANNOTATION, Decision, PolicyError, StaticPolicy
+from .policy import (
+    EXCLUSIVE_ANNOTATION,
+    ISOLATED_ANNOTATION,
+    Decision,
+    Followed,
+    PolicyError,
+    StaticPolicy,
+)
 from .reconcile import LiveContainer, reconcile
 from .state import NodeState
 from .store import Expected, StateLockTimeout, StateStore
 from .topology import Topology, TopologyError, discover
 from .workload import Workload
+
+if TYPE_CHECKING:  # nic and hotplug are imported when they are needed (see _nic_locality)
+    from .nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
 FAULT_STEPS = (
@@ -74,6 +84,7 @@ RECORD_VERSION = 1
 # waiting 10 s means hundreds of hooks are queued; past that, failing with a clear message
 # beats being SIGKILLed by the runtime with none.
 DEFAULT_LOCK_TIMEOUT = 10.0
+CFS_PERIOD_US = 100_000  # kubelet's period: a degraded container's quota is count * this
 
 ALLOCATE, RELEASE = "allocate", "release"
 STAGES = {
@@ -229,6 +240,19 @@ class _View(NamedTuple):
     released: Decision | None  # the container the runtime says stopped (poststop)
     repaired: NodeState  # base with all of the above applied
     notes: tuple[str, ...]
+    # The online CPUs changed since the state was committed: (stored fingerprint, what
+    # following the new online set did).  None when they did not.
+    followed: tuple[str, Followed] | None = None
+    # cgroup v1: live containers whose cpuset the kernel emptied (a CPU went offline), their
+    # processes moved to an ancestor; they are put back once the cpuset has CPUs again.
+    evicted: frozenset[str] = frozenset()
+
+
+class _Repairs(NamedTuple):
+    """cgroup v1 hotplug repairs of one run: processes put back, and what failed."""
+
+    returned: dict[str, int]
+    errors: list[str]
 
 
 class Records:
@@ -373,10 +397,13 @@ class Hook:
         _check_container_cgroup(cgroups.cpuset, state.id, state.pid)
         workload = oci.from_oci(state, config, cgroups.cpuset, identity)
         policy = self._policy()
+        locality = self._nic_locality(policy, workload, config)
         with CgroupFS(layout) as fs:
             if not fs.exists("cpuset", cgroups.cpuset):
                 raise CgroupError(f"cgroup {cgroups.cpuset} of container {state.id} is gone")
-            return self._locked_run(policy, fs, workload=workload, cgroups=cgroups)
+            return self._locked_run(
+                policy, fs, workload=workload, cgroups=cgroups, locality=locality
+            )
 
     def release(self, state: oci.OCIState) -> int:
         policy = self._policy()
@@ -392,6 +419,7 @@ class Hook:
         workload: Workload | None = None,
         cgroups: ContainerCgroups | None = None,
         released_id: str | None = None,
+        locality: Locality | None = None,
     ) -> int:
         store = self.store
         with store.locked():
@@ -402,7 +430,8 @@ class Hook:
             state = view.repaired
             if workload is not None:
                 try:
-                    decision, state = policy.admit(view.repaired, workload)
+                    preference = locality.preference if locality is not None else None
+                    decision, state = policy.admit(view.repaired, workload, preference)
                 except PolicyError as err:
                     refusal = err
             self._fault("decided")
@@ -416,9 +445,10 @@ class Hook:
                 targets[workload.container_id] = Record(workload, cgroups)
                 self.records.write(targets[workload.container_id])
                 self._fault("recorded")
-            if view.loaded is None or state != view.loaded:
-                store.commit(state)
+            if view.loaded is None or state != view.loaded or view.followed is not None:
+                store.commit(state)  # (a followed online set: its new fingerprint too)
             self._fault("committed")
+            grown = self._grow_ancestors(fs, policy, view)
             try:
                 writes = self._apply(fs, policy, state, targets, view.requested, workload)
             except CgroupError as err:
@@ -427,6 +457,8 @@ class Hook:
                     store.commit(view.repaired)
                     self.records.remove(workload.container_id)
                 raise HookFailure(str(err)) from None
+            repairs = self._return_evicted(fs, view, targets)
+            repairs.errors[:0] = grown
 
             # Records of containers the state no longer names go last: until the commit above,
             # the old state still named them.
@@ -437,13 +469,14 @@ class Hook:
             lock_wait = store.lock_wait
 
         self._report(view, decision, workload, released_id, state, writes, lock_wait)
+        self._report_hardware(view, repairs, decision, workload, locality)
         if refusal is not None:
             raise HookFailure(
                 str(refusal),
                 EXIT_REFUSED,
                 "refuse",
                 lock_wait_ms=f"{lock_wait * 1000:.1f}",
-                **_identity(workload),
+                **workload.identity(),
             )
         return EXIT_OK
 
@@ -458,7 +491,7 @@ class Hook:
         runtime says stopped is released, every other one whose cgroup is gone or empty too
         (as stale), and the rest reconciled as after an NRI Synchronize.  A state that had to
         be set aside is rebuilt from the records of containers still running."""
-        loaded, rebuilt = self._load(policy)
+        loaded, rebuilt, followed = self._load(policy)
         self._fault("loaded")
         records, unusable = self.records.load()
         for problem in unusable.values():
@@ -474,7 +507,7 @@ class Hook:
             held = base.assignments.get(released_id)
             if held is not None:  # its restart may come next: keep what it held for that
                 pods.add(held.pod_uid)
-        live, requested, stale_ids = self._live(fs, known, records)
+        live, requested, stale_ids, evicted = self._live(fs, known, records)
         stale = []
         for cid in stale_ids:
             gone, state = policy.release(state, cid)
@@ -495,14 +528,22 @@ class Hook:
             released,
             result.state,
             result.notes,
+            followed,
+            frozenset(evicted),
         )
 
-    def _load(self, policy: StaticPolicy) -> tuple[NodeState | None, str | None]:
-        """(trusted state or None, why it had to be rebuilt) - as the daemon's load_state."""
-        result = self.store.load(
-            Expected(policy.name, policy.topology.fingerprint(), policy.reserved)
-        )
+    def _load(
+        self, policy: StaticPolicy
+    ) -> tuple[NodeState | None, str | None, tuple[str, Followed] | None]:
+        """(trusted state or None, why it had to be rebuilt, (stored fingerprint, followed)
+        when the online CPUs changed since the last commit) - as the daemon's load_state: any
+        CPU layout is accepted, a changed online set is repaired in place, never set aside."""
+        result = self.store.load(Expected(policy.name, None, policy.reserved))
         state, problem = result.state, result.problem
+        followed = None
+        if state is not None and state.fingerprint != policy.topology.fingerprint():
+            followed = (state.fingerprint, policy.follow_online(state))
+            state = followed[1].state
         if state is not None:
             problem = policy.check(state)
             if problem is not None:
@@ -510,16 +551,18 @@ class Hook:
                 state = None
         if state is None:
             quarantined = result.quarantined is not None or problem != result.problem
-            return None, problem if quarantined else None
-        return policy.normalized(state), None
+            return None, problem if quarantined else None, None
+        return policy.normalized(state), None, followed
 
     def _live(
         self, fs: CgroupFS, known: Any, records: Mapping[str, Record]
-    ) -> tuple[list[LiveContainer], dict[str, CPUSet], list[str]]:
+    ) -> tuple[list[LiveContainer], dict[str, CPUSet], list[str], set[str]]:
         """(known containers that still run - their recorded cgroup has processes - with the
-        CPUs they run on; the cpusets their cgroups ask for; the stale rest).  The two sets
-        differ only on cgroup v2, when an ancestor does not offer every CPU asked for."""
-        live, requested, stale = [], {}, []
+        CPUs they run on; the cpusets their cgroups ask for; the stale rest; the evicted ones).
+        The two sets differ only on cgroup v2, when an ancestor does not offer every CPU asked
+        for.  Evicted (cgroup v1): the kernel emptied the cpuset when its last CPU went offline
+        and moved the processes up; the cpu controller's cgroup still holds them."""
+        live, requested, stale, evicted = [], {}, [], set()
         for cid in sorted(known):
             record = records.get(cid)
             try:
@@ -530,10 +573,15 @@ class Hook:
                     v2 = fs.layout.version == cgroupfs.V2
                     requested[cid] = fs.requested(path) if v2 else running_on
                     continue
+                if record is not None and _evicted(fs, record):
+                    live.append(LiveContainer(record.workload, CPUSet()))
+                    requested[cid] = CPUSet()
+                    evicted.add(cid)
+                    continue
             except CgroupError:
                 pass  # its cgroup is gone (ENOENT) or unreadable: it cannot be running there
             stale.append(cid)
-        return live, requested, stale
+        return live, requested, stale, evicted
 
     def _apply(
         self,
@@ -547,15 +595,25 @@ class Hook:
         """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
         then CPUs given, the new container last.  One transaction: all or nothing.  Returns
         one line per cgroup written."""
-        quota = self.settings.cfs_quota == "unlimited"
-        plan = []
+        unlimited = self.settings.cfs_quota == "unlimited"
+        plan: list[tuple[str, Record, CPUSet, CPUSet | None, int | None]] = []
         for cid, record in targets.items():
             held = state.assignments.get(cid)
-            if held is not None:
-                plan.append((cid, record, held.cpus, policy.topology.numa_of(held.cpus), quota))
-            elif cid in state.sharing and requested.get(cid) != state.shared:
+            if held is None and cid not in state.sharing:
+                continue
+            # Exclusive CPUs, or the shared pool (shared containers, and degraded exclusive
+            # ones that lost every CPU they held to hotplug).
+            cpus = policy.cpuset_for(state, cid)
+            if held is not None and held.cpus:
+                quota = -1 if unlimited else None  # lifted
+                plan.append((cid, record, cpus, policy.topology.numa_of(cpus), quota))
+            elif held is not None:
+                # Degraded into the shared pool: its CPU limit bounds it again meanwhile.
+                quota = held.count * CFS_PERIOD_US if unlimited else None
+                plan.append((cid, record, cpus, None, quota))
+            elif requested.get(cid) != cpus:
                 # (Shared containers already on the pool, the usual case, need no write.)
-                plan.append((cid, record, state.shared, None, False))
+                plan.append((cid, record, cpus, None, None))
         current_id = current.container_id if current is not None else None
         others = [p for p in plan if p[0] != current_id]
         mine = [p for p in plan if p[0] == current_id]
@@ -565,9 +623,9 @@ class Hook:
         written: list[str] = []
         tx = Transaction(fs)
         for step in (others, mine):
-            for cid, record, cpus, mems, lift in step:
+            for cid, record, cpus, mems, quota in step:
                 try:
-                    if _place(tx, record, cpus, mems, lift):
+                    if _place(tx, record, cpus, mems, quota):
                         written.append(f"{cid[:12]}={cpus}")
                 except CgroupError as err:
                     # A sibling exiting right now must not fail this container (as the NRI
@@ -585,6 +643,120 @@ class Hook:
             elif current is not None:
                 self._fault("container-written")
         return written
+
+    # --- hardware awareness (issue 7) ------------------------------------------------------
+
+    def _nic_locality(
+        self, policy: StaticPolicy, workload: Workload, config: oci.OCIConfig
+    ) -> Locality | None:
+        """Where the pod's NICs are (nic.py), for exclusive candidates only, before the lock
+        as in the daemon.  nic is imported here: it is light, and pyroute2 is only loaded
+        when a namespace (or annotated host interfaces) must be read.  Bad annotations and a
+        strict locality that cannot be inspected are refusals."""
+        try:
+            if policy.eligibility(workload)[0] is None:
+                return None
+            from . import nic
+
+            return nic.locality(
+                nic.netns_path(config.namespaces),
+                workload.annotations,
+                workload.container_name,
+                self.settings.sysfs,
+                policy.topology,
+            )
+        except PolicyError as err:
+            raise HookFailure(str(err), EXIT_REFUSED, "refuse", **workload.identity()) from None
+
+    def _grow_ancestors(self, fs: CgroupFS, policy: StaticPolicy, view: _View) -> list[str]:
+        """cgroup v1 after a change of the online CPUs: give the online CPUs back to the
+        ancestors of every recorded container (the kernel never does), so the writes below and
+        later ones may use CPUs that came back."""
+        if view.followed is None or fs.layout.version != cgroupfs.V1:
+            return []
+        from . import hotplug
+
+        paths = sorted({r.cgroups.cpuset for r in view.records.values()})
+        return hotplug.grow_ancestors(fs.layout, paths, policy.topology.online)
+
+    def _return_evicted(self, fs: CgroupFS, view: _View, targets: Mapping[str, Record]) -> _Repairs:
+        """cgroup v1: put processes the kernel evicted back into their container's cpuset,
+        now that it has CPUs again (after a change of the online set, or when one was found
+        evicted).  Failures are reported, not fatal: the cpusets are written already."""
+        repairs = _Repairs({}, [])
+        if fs.layout.version != cgroupfs.V1:
+            return repairs
+        cids = set(view.evicted) | (set(targets) if view.followed is not None else set())
+        if not cids:
+            return repairs
+        from . import hotplug
+
+        for cid in sorted(cids & targets.keys()):
+            try:
+                moved = hotplug.return_evicted_tasks(
+                    fs, targets[cid].cgroups.cpuset, self.options.proc
+                )
+            except CgroupError as err:
+                repairs.errors.append(f"{cid[:12]}: {err}")
+                continue
+            if moved:
+                repairs.returned[cid] = moved
+        return repairs
+
+    def _report_hardware(
+        self,
+        view: _View,
+        repairs: _Repairs,
+        decision: Decision | None,
+        workload: Workload | None,
+        locality: Locality | None,
+    ) -> None:
+        audit = self.audit
+        if view.followed is not None and view.loaded is not None:
+            from . import hotplug
+
+            stored, followed = view.followed
+            audit.record(
+                "state-repair",
+                f"the online CPUs changed since the last commit ({stored} -> "
+                f"{followed.state.fingerprint}): assignments kept on CPUs still online, "
+                f"{len(followed.changes)} containers changed",
+                WARNING,
+                reason="online set changed",
+            )
+            hotplug.audit_changes(audit, followed)
+        for cid, moved in sorted(repairs.returned.items()):
+            audit.record(
+                "cgroup-repair",
+                f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup "
+                "v1 had moved them out when the cpuset lost its last CPU)",
+                container_id=cid,
+                processes=moved,
+            )
+        for error in repairs.errors:
+            audit.record("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
+        if decision is None or workload is None or locality is None or not decision.exclusive:
+            return
+        nodes = locality.nodes
+        if nodes:
+            verdict = (
+                "honoured" if decision.mems <= nodes else "not honoured: too few free CPUs there"
+            )
+            message = f"placement on NUMA {decision.mems} {verdict}"
+        else:
+            verdict, message = "no preference", "nothing to honour"
+        audit.record(
+            "nic-locality",
+            f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}: "
+            f"{locality.note}; {message}",
+            INFO if locality.nics or nodes else DEBUG,
+            nic_numa=nodes,
+            nics="; ".join(n.describe() for n in locality.nics),
+            honoured=verdict.split(":")[0],
+            cpus=decision.cpus,
+            mems=decision.mems,
+            **workload.identity(),
+        )
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -654,7 +826,7 @@ class Hook:
                 "shared_cpus": state.shared,
                 "lock_wait_ms": wait_ms,
                 "cgroup_writes": len(writes),
-                **_identity(workload),
+                **workload.identity(),
             }
             if decision.exclusive:
                 audit.record(
@@ -735,27 +907,31 @@ def _topology_key(sysfs: str) -> dict[str, Any] | None:
     }
 
 
-def _identity(workload: Workload) -> dict[str, str]:
-    return {
-        "container_id": workload.container_id,
-        "container_name": workload.container_name,
-        "pod_uid": workload.pod_uid,
-        "pod_name": workload.pod_name,
-        "pod_namespace": workload.pod_namespace,
-    }
-
-
 def _known(state: NodeState) -> set[str]:
     return set(state.assignments) | set(state.sharing)
 
 
 def _place(
-    tx: Transaction, record: Record, cpus: CPUSet, mems: CPUSet | None, lift_quota: bool
+    tx: Transaction, record: Record, cpus: CPUSet, mems: CPUSet | None, quota: int | None
 ) -> bool:
+    """Write the cpuset; ``quota``: None leaves CFS quota alone, -1 lifts it, else sets it."""
     changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, cpus, mems)
-    if lift_quota and record.cgroups.cpu is not None:
-        changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+    if quota is not None and record.cgroups.cpu is not None:
+        if quota < 0:
+            changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+        else:
+            changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
     return changed
+
+
+def _evicted(fs: CgroupFS, record: Record) -> bool:
+    """cgroup v1: the container's cpuset holds no process but its cpu cgroup does - the kernel
+    moved its processes up when the cpuset lost its last CPU (see hotplug.py)."""
+    if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
+        return False
+    if not fs.exists("cpuset", record.cgroups.cpuset):
+        return False
+    return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
 
 
 def _still_running(fs: CgroupFS, record: Record) -> bool:

@@ -31,12 +31,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import audit as audit_mod
 from . import cgroupfs
 from .cpuset import CPUSet
 from .liveness import cgroup_path
 
 if TYPE_CHECKING:
     import socket
+
+    from .policy import Followed
 
 KERNEL_GROUP = 1  # uevents as the kernel sends them (2 would be udevd's re-broadcast)
 RCVBUF = 1 << 20  # a burst (SMT switched off offlines half the CPUs at once) must fit
@@ -129,6 +132,41 @@ class UeventListener:
                     events.append(event)
         if events:
             self.callback(events)
+
+
+# --- audit (daemon and hook) ---------------------------------------------------------------------
+
+_CHANGE_ACTIONS = {
+    "replaced": ("cpu-replaced", audit_mod.NOTICE),
+    "degraded": ("degraded", audit_mod.WARNING),
+    "preempted": ("degraded", audit_mod.WARNING),
+    "restored": ("cpu-restored", audit_mod.NOTICE),
+}
+
+
+def audit_changes(audit: audit_mod.Audit, followed: Followed) -> None:
+    """One audit record per container that following the online set changed."""
+    for change in followed.changes:
+        action, priority = _CHANGE_ACTIONS[change.action]
+        held = followed.state.assignments.get(change.container_id)
+        who = (
+            f"{held.pod_namespace}/{held.pod_name}/{held.container_name}"
+            if held is not None
+            else change.container_id[:12]
+        )
+        audit.record(
+            action,
+            f"{who}: {change.reason}; holds {change.held or 'nothing (shared pool)'}"
+            + (f", owed {change.lost}" if change.lost else ""),
+            priority,
+            container_id=change.container_id,
+            cpus=change.cpus,
+            held_cpus=change.held,
+            lost_cpus=change.lost,
+            reason=change.reason,
+            pod_name=held.pod_name if held else None,
+            pod_namespace=held.pod_namespace if held else None,
+        )
 
 
 # --- cgroup repairs ------------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class OCIConfig(NamedTuple):
     shares: int | None
     quota: int | None
     period: int | None
+    # ``linux.namespaces``: ({"type": ..., "path": ...}, ...), for the pod's network namespace
+    namespaces: tuple[Mapping[str, str], ...] = ()
 
 
 # --- state (stdin) ---------------------------------------------------------------------------
@@ -172,13 +174,33 @@ def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
         raise InputError(f"{path} is not JSON: {err}") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path} is not a JSON object")
-    cpu = _object(_object(_object(doc, "linux", path), "resources", path), "cpu", path)
+    linux = _object(doc, "linux", path)
+    cpu = _object(_object(linux, "resources", path), "cpu", path)
     return OCIConfig(
         annotations=string_map(doc.get("annotations"), f"{path} annotations"),
         shares=_int(cpu, "shares", path, minimum=0),
         quota=_int(cpu, "quota", path),
         period=_int(cpu, "period", path, minimum=0),
+        namespaces=_namespaces(linux.get("namespaces"), path),
     )
+
+
+def _namespaces(value: object, path: str) -> tuple[Mapping[str, str], ...]:
+    """``linux.namespaces``: a list of {"type": str, "path": absolute path (optional)}."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > 64:
+        raise InputError(f"{path}: linux.namespaces is not a list of namespaces")
+    out = []
+    for entry in value:
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if not isinstance(kind, str) or len(kind) > 64:
+            raise InputError(f"{path}: linux.namespaces entry without a type: {_show(entry)}")
+        ns = {"type": kind}
+        if entry.get("path") is not None:
+            ns["path"] = check_abs_path(entry["path"], f"{path}: linux.namespaces {kind} path")
+        out.append(ns)
+    return tuple(out)
 
 
 # --- Kubernetes view -------------------------------------------------------------------------

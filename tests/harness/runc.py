@@ -218,8 +218,10 @@ class CgroupSandbox:
         annotations: Mapping[str, str] | None = None,
         cid: str | None = None,
         config_extra: Mapping[str, Any] | None = None,
+        namespaces: Sequence[Mapping[str, str]] | None = None,
     ) -> FakeContainer:
-        """A running fake container: cgroup, ``sleep`` in it, bundle with config.json."""
+        """A running fake container: cgroup, ``sleep`` in it, bundle with config.json
+        (``namespaces``: its ``linux.namespaces``, e.g. the pod's network namespace)."""
         cid = cid or f"{name}-{secrets.token_hex(6)}"
         cgroup = f"{p.cgroup(self.top)}/{cid}"
         self.make_cgroup(cgroup)
@@ -239,6 +241,8 @@ class CgroupSandbox:
                 "resources": {"cpu": cpu_resources(millicores, limit)},
             },
         }
+        if namespaces is not None:
+            config["linux"]["namespaces"] = [dict(ns) for ns in namespaces]
         if config_extra:
             config.update(config_extra)
         (bundle / "config.json").write_text(json.dumps(config))
