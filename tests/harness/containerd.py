@@ -26,6 +26,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -131,7 +132,7 @@ class Containerd:
         self.top_cgroup = f"/nri-e2e-{self.token}"
         sockets = self.dir
         if len(str(sockets / "containerd.sock.ttrpc")) > _MAX_SOCKET_PATH:
-            sockets = Path(f"/tmp/nri-e2e-{self.token}")
+            sockets = Path(tempfile.gettempdir()) / f"nri-e2e-{self.token}"
         self.socket_dir = sockets
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
