@@ -14,7 +14,7 @@ reserved_cpus = "0-1"
 state_dir = "/var/lib/x"
 policy_options = ["full-pcpus-only", "strict-cpu-reservation"]
 cfs_quota = "keep"
-sysfs = "/tmp/sys"
+sysfs = "/srv/sys"
 log_level = "debug"
 [nri]
 socket = "/run/nri.sock"

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image
+from . import debs, host, image, runc
 from .containerd import _cleanup, _leftovers
 from .packages import PATCHELF, PODMAN_STACK, RUNC
 
@@ -113,7 +113,7 @@ class Podman:
         )
         self._binary = _patched_podman(self.lab)
         trees = {deb.name: debs.unpack(deb, self.lab) for deb in PODMAN_STACK}
-        runc = debs.unpack(RUNC, self.lab) / "usr/sbin/runc"
+        runc_binary = debs.unpack(RUNC, self.lab) / "usr/sbin/runc"
         conmon = trees["conmon"] / "usr/bin/conmon"
         seccomp = trees["golang-github-containers-common"] / "usr/share/containers/seccomp.json"
         for d in ("root", "runroot", "tmp", "volumes", "net"):
@@ -136,7 +136,7 @@ class Podman:
             f"volume_path = {_toml_string(self.dir / 'volumes')}\n"
             'lock_type = "file"\n'
             "\n[engine.runtimes]\n"
-            f"runc = [{_toml_string(runc)}]\n"
+            f"runc = [{_toml_string(runc_binary)}]\n"
             "\n[network]\n"
             f"network_config_dir = {_toml_string(self.dir / 'net')}\n"
         )
@@ -249,17 +249,5 @@ def prepare(lab: Path = debs.LAB) -> None:
 
 
 def reap_stale(lab: Path = debs.LAB) -> list[str]:
-    problems: list[str] = []
-    for meta_file in sorted((lab / "run").glob("podman-*/owner.json")):
-        try:
-            meta = json.loads(meta_file.read_text())
-            pid, started = meta["owner"]
-            top = meta["top"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if host.start_time(pid) == started:
-            continue
-        inst = meta_file.parent
-        _cleanup(inst, inst, top, 10.0)
-        problems += _leftovers(inst, inst, top)
-    return problems
+    """Clean up podman instances whose owning test process is gone."""
+    return runc.reap_stale(lab, kinds=("podman",))

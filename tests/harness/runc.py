@@ -589,11 +589,12 @@ class Runc:
         return _leftovers(self.dir, self.dir, self.top)
 
 
-def reap_stale(lab: Path = debs.LAB) -> list[str]:
-    """Clean up sandboxes and runc instances whose owning test process is gone."""
+def reap_stale(lab: Path = debs.LAB, kinds: Sequence[str] = ("hook", "runc")) -> list[str]:
+    """Clean up instances (``<lab>/run/<kind>-*``, each with an owner.json naming its owner
+    process and private top cgroup) whose owning test process is gone."""
     problems: list[str] = []
     for meta_file in sorted(
-        [*(lab / "run").glob("hook-*/owner.json"), *(lab / "run").glob("runc-*/owner.json")]
+        meta for kind in kinds for meta in (lab / "run").glob(f"{kind}-*/owner.json")
     ):
         try:
             meta = json.loads(meta_file.read_text())
