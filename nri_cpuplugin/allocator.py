@@ -46,8 +46,8 @@ Incompatible combinations are refused as kubelet refuses them.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import combinations
 from math import comb
 
@@ -113,29 +113,26 @@ def validate_options(names: Iterable[str], topology: Topology | None = None) -> 
     return options
 
 
-@dataclass(eq=False)
 class _Node:
     """A group of CPUs in the allocation tree (see the module docstring)."""
 
-    cpus: frozenset[int]
-    children: list[_Node]
-    first: int  # lowest CPU id: deterministic tie-break
-    is_core: bool = False
+    __slots__ = ("children", "cpus", "first", "is_core")
+
+    def __init__(
+        self, cpus: frozenset[int], children: list[_Node], first: int, is_core: bool = False
+    ) -> None:
+        self.cpus = cpus
+        self.children = children
+        self.first = first  # lowest CPU id: deterministic tie-break
+        self.is_core = is_core
 
     @property
     def children_are_cores(self) -> bool:
         return bool(self.children) and self.children[0].is_core
 
 
-@dataclass(frozen=True, order=True)
-class _Score:
-    primary: int
-    secondary: int
-    llcs: int
-    partial_cores: int
-    numa_leftover: int
-    llc_leftover: int
-    ids: tuple[int, ...]
+# Lower is better, field by field (see the module docstring).
+_Score = namedtuple("_Score", "primary secondary llcs partial_cores numa_leftover llc_leftover ids")
 
 
 class Allocator:

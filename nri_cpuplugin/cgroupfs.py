@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from typing import NamedTuple
 
 from .cpuset import CPUSet
+from .value import Value
 
 DEFAULT_ROOT = "/sys/fs/cgroup"
 V1, V2 = 1, 2
@@ -74,7 +74,7 @@ def join(parts: tuple[str, ...]) -> str:
     return "/" + "/".join(parts)
 
 
-class Layout(NamedTuple):
+class Layout(Value):
     """Where the hierarchies that matter to us are mounted."""
 
     version: int
@@ -108,7 +108,7 @@ def detect(root: str = DEFAULT_ROOT) -> Layout:
     )
 
 
-class ContainerCgroups(NamedTuple):
+class ContainerCgroups(Value):
     """The cgroups of one container, as paths relative to their hierarchy's mount."""
 
     cpuset: str

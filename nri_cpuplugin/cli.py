@@ -6,19 +6,21 @@ Errors are one line on stderr that says what was wrong and what to do.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
-
+from . import jsonbytes
 from .allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
 from .config import DEFAULT_STATE_DIR, LOG_LEVELS, ConfigError, Settings, load_file, merge
 from .cpuset import CPUSet
+from .hook_launcher import DEFAULT_PATH as DEFAULT_HOOK_PATH
 from .policy import PolicyError
 from .topology import DEFAULT_SYSFS, Topology, TopologyError, discover
+
+TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
+if TYPE_CHECKING:
+    import argparse
 
 EXIT_UNSATISFIABLE = 1
 EXIT_USAGE = 2
@@ -32,6 +34,8 @@ def _cpulist(text: str) -> CPUSet:
     try:
         return CPUSet.parse(text)
     except ValueError as err:
+        import argparse
+
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -41,17 +45,17 @@ def load_topology(topology_file: str | None, sysfs: str | None) -> Topology:
         return discover(sysfs or DEFAULT_SYSFS)
     try:
         data = Path(topology_file).read_bytes() if topology_file != "-" else sys.stdin.buffer.read()
-        return Topology.from_dict(orjson.loads(data))
+        return Topology.from_dict(jsonbytes.loads(data))
     except OSError as err:
         raise UsageError(f"cannot read topology file {topology_file}: {err.strerror}") from None
-    except orjson.JSONDecodeError as err:
+    except jsonbytes.DecodeError as err:
         raise UsageError(f"topology file {topology_file} is not JSON: {err}") from None
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
     topology = discover(args.sysfs)
     if args.json:
-        sys.stdout.write(orjson.dumps(topology.as_dict(), option=orjson.OPT_INDENT_2).decode())
+        sys.stdout.write(jsonbytes.dumps(topology.as_dict(), indent=True).decode())
         sys.stdout.write("\n")
         return 0
     print(
@@ -112,6 +116,7 @@ def _settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict]:
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here: the NRI stack (protobuf) is not needed by the other commands.
     import asyncio
+    import logging
     import signal
 
     from .audit import Audit
@@ -149,31 +154,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_install_hook(args: argparse.Namespace) -> int:
+    from .hook_launcher import LauncherError, install
+
+    try:
+        install(args.path, args.python)
+    except LauncherError as err:
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        raise UsageError(f"cannot write {args.path}: {err.strerror}") from None
+    print(f"wrote {args.path}: the OCI hook, run by {args.python or sys.executable} -I -S")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import render_text, snapshot
 
     report = snapshot(args.state_dir, args.sysfs)
     if args.json:
-        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(jsonbytes.dumps(report, indent=True).decode() + "\n")
     else:
         sys.stdout.write(render_text(report))
     return 0 if report["state"] == "ok" else 1
 
 
-def cmd_hook(args: argparse.Namespace) -> int:
-    # Imported here, and only this: the hook runs once per container start and must start fast
-    # (no protobuf, grpc or filelock on its path; tests/test_hook_imports.py checks).
-    from . import hook
-
-    try:
-        base, flags = _settings_from_args(args)
-        settings = merge(base, flags)
-    except ConfigError as err:
-        return hook.report_failure(str(err), hook.EXIT_INPUT, "hook-config")
-    return hook.run(settings, hook.options_from_args(args), sys.stdin.buffer, sys.stderr)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    import argparse  # here: `hook` never builds this parser (see main)
+
     parser = argparse.ArgumentParser(
         prog="nri-cpuplugin",
         description="Exclusive, topology-aware CPU sets for Kubernetes containers.",
@@ -210,28 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", choices=LOG_LEVELS)
     run.set_defaults(func=cmd_run)
 
-    hook = commands.add_parser(
+    # Listed for --help only: main() hands `hook ...` to hook.main before parsing (see there).
+    commands.add_parser(
         "hook",
-        help="OCI runtime hook for CRI-O/podman: the container state JSON on stdin",
-        description="Place (createRuntime) or release (poststop) the container whose OCI state "
-        "is on stdin, writing cgroupfs directly.  Without STAGE it is read from the state's "
-        "status (creating -> createRuntime, stopped -> poststop).",
+        add_help=False,
+        help="OCI runtime hook for CRI-O/podman: the container state JSON on stdin "
+        "(`nri-cpuplugin hook --help`)",
     )
-    hook.add_argument("stage", nargs="?", metavar="STAGE", help="createRuntime or poststop")
-    hook.add_argument("--config", metavar="FILE", help="TOML configuration")
-    hook.add_argument("--state-dir", metavar="DIR", help=f"state directory ({DEFAULT_STATE_DIR})")
-    hook.add_argument("--reserved-cpus", type=_cpulist, metavar="LIST", help="reserved CPUs")
-    hook.add_argument("--sysfs", metavar="ROOT", help="sysfs root for topology (/sys)")
-    hook.add_argument(
-        "--cgroup-root", metavar="DIR", help="cgroup mount root (/sys/fs/cgroup; v1 or v2)"
+
+    launcher = commands.add_parser(
+        "install-hook",
+        help="write the OCI hook's launcher (the program hooks/*.json names)",
+        description="Write the program hooks/*.json runs: this interpreter started with -I -S "
+        "and only this package importable - faster than the nri-cpuplugin-hook console script "
+        "(no site-packages scan), and unaffected by PYTHON* variables.  Replaces the file or "
+        "symlink at PATH in one rename.",
     )
-    hook.add_argument(
-        "--lock-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="longest wait for the state lock (10); keep it well below the hook's timeout",
+    launcher.add_argument(
+        "--path", default=DEFAULT_HOOK_PATH, metavar="PATH", help=f"({DEFAULT_HOOK_PATH})"
     )
-    hook.set_defaults(func=cmd_hook)
+    launcher.add_argument(
+        "--python", metavar="PATH", help=f"interpreter to name (this one: {sys.executable})"
+    )
+    launcher.set_defaults(func=cmd_install_hook)
 
     status = commands.add_parser("status", help="pools and assignments from the state file")
     status.add_argument("--state-dir", default=DEFAULT_STATE_DIR, metavar="DIR")
@@ -242,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["hook"]:
+        # The hook starts once per container: it parses its own few options rather than pay
+        # for this parser, and imports only what it needs (tests/test_hook_imports.py).
+        from . import hook
+
+        return hook.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -8,14 +8,17 @@ a typo must not silently run the node with defaults.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import Any
 
 from .allocator import OptionError, validate_options
 from .cpuset import CPUSet
+from .value import Value
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_STATE_DIR = "/var/lib/nri-cpuplugin"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -27,8 +30,7 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the key and the expected form."""
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(Value):
     reserved_cpus: CPUSet | None = None
     reserved_cpu_count: int | None = None
     state_dir: str = DEFAULT_STATE_DIR
@@ -91,9 +93,10 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
     return overrides
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        with open(path) as f:
+            text = f.read()
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
     return parse_toml(text, str(path))
@@ -103,7 +106,7 @@ def merge(base: Settings, *layers: Mapping[str, Any]) -> Settings:
     """Apply override layers in order; the result is checked as a whole."""
     settings = base
     for layer in layers:
-        settings = replace(settings, **layer)
+        settings = settings.evolve(**layer)
     if settings.reserved_cpus is not None and settings.reserved_cpu_count is not None:
         raise ConfigError(
             "reserved_cpus and reserved_cpu_count are both set; keep one "
@@ -169,4 +172,4 @@ def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
     return value
 
 
-SETTING_NAMES = tuple(f.name for f in fields(Settings))
+SETTING_NAMES = Settings._fields

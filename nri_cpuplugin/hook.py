@@ -34,19 +34,14 @@ import contextlib
 import errno
 import fcntl
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TextIO
 
-import orjson
-
-from . import cgroupfs, oci
+from . import cgroupfs, jsonbytes, oci
 from .audit import DEBUG, ERR, INFO, WARNING, Audit
 from .cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
-from .config import ConfigError, Settings
+from .config import ConfigError, Settings, load_file, merge
 from .cpuset import CPUSet
 from .policy import (
     EXCLUSIVE_ANNOTATION,
@@ -60,9 +55,13 @@ from .reconcile import LiveContainer, reconcile
 from .state import NodeState
 from .store import Expected, StateLockTimeout, StateStore
 from .topology import Topology, TopologyError, discover
+from .value import Value
 from .workload import Workload
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:  # nic and hotplug are imported when they are needed (see _nic_locality)
+    from typing import Any, BinaryIO, TextIO
+
     from .nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
@@ -116,7 +115,7 @@ class HookFailure(Exception):
         self.fields = fields
 
 
-class Options(NamedTuple):
+class Options(Value):
     stage: str | None = None  # from argv; None = from the state's status
     cgroup_root: str = cgroupfs.DEFAULT_ROOT
     proc: str = "/proc"
@@ -182,6 +181,10 @@ def _try_flock(fd: int) -> bool:
 
 
 def _wait_flock(fd: int, wait: float, lock_path: object) -> None:
+    # Imported only when the lock is busy: most runs never wait.
+    import signal
+    import threading
+
     if wait > 0 and threading.current_thread() is threading.main_thread():
         waiting = [True]
 
@@ -221,12 +224,12 @@ def _wait_flock(fd: int, wait: float, lock_path: object) -> None:
 # --- records: where each placed container's cgroups are ------------------------------------
 
 
-class Record(NamedTuple):
+class Record(Value):
     workload: Workload
     cgroups: ContainerCgroups
 
 
-class _View(NamedTuple):
+class _View(Value):
     """What one run found under the lock, before deciding anything."""
 
     loaded: NodeState | None  # the stored state, if it could be trusted
@@ -248,7 +251,7 @@ class _View(NamedTuple):
     evicted: frozenset[str] = frozenset()
 
 
-class _Repairs(NamedTuple):
+class _Repairs(Value):
     """cgroup v1 hotplug repairs of one run: processes put back, and what failed."""
 
     returned: dict[str, int]
@@ -290,7 +293,7 @@ class Records:
             data = os.read(fd, oci.MAX_STATE_BYTES + 1)
         finally:
             os.close(fd)
-        doc = orjson.loads(data)
+        doc = jsonbytes.loads(data)
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
         if doc.get("version") != RECORD_VERSION or doc.get("container_id") != cid:
@@ -346,7 +349,7 @@ class Records:
             tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
         try:
-            os.write(fd, orjson.dumps(doc))
+            os.write(fd, jsonbytes.dumps(doc))
         finally:
             os.close(fd)
         os.replace(tmp, final)
@@ -650,9 +653,8 @@ class Hook:
         self, policy: StaticPolicy, workload: Workload, config: oci.OCIConfig
     ) -> Locality | None:
         """Where the pod's NICs are (nic.py), for exclusive candidates only, before the lock
-        as in the daemon.  nic is imported here: it is light, and pyroute2 is only loaded
-        when a namespace (or annotated host interfaces) must be read.  Bad annotations and a
-        strict locality that cannot be inspected are refusals."""
+        as in the daemon (nic is imported only for these).  Bad annotations and a strict
+        locality that cannot be inspected are refusals."""
         try:
             if policy.eligibility(workload)[0] is None:
                 return None
@@ -772,6 +774,8 @@ class Hook:
 
     def _fault(self, step: str) -> None:
         if self.options.fault == step:
+            import signal
+
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _skip(self, state: oci.OCIState, why: str) -> None:
@@ -864,7 +868,7 @@ def cached_topology(sysfs: str, state_dir: str) -> Topology:
     if key is not None:
         try:
             with open(path, "rb") as f:
-                doc = orjson.loads(f.read(MAX_TOPOLOGY_BYTES))
+                doc = jsonbytes.loads(f.read(MAX_TOPOLOGY_BYTES))
             if isinstance(doc, dict) and doc.get("key") == key:
                 return Topology.from_dict(doc.get("topology"))
         except (OSError, ValueError, TopologyError):
@@ -877,7 +881,7 @@ def cached_topology(sysfs: str, state_dir: str) -> Topology:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(tmp, flags, 0o600)
             try:
-                os.write(fd, orjson.dumps({"key": key, "topology": topology.as_dict()}))
+                os.write(fd, jsonbytes.dumps({"key": key, "topology": topology.as_dict()}))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -1023,23 +1027,112 @@ def _fail(
     return code
 
 
-def report_failure(reason: str, code: int, action: str = "hook-failed") -> int:
-    """For failures before ``run`` (configuration): the same one line and audit record."""
-    return _fail(sys.stderr, Audit(SOURCE="oci-hook"), reason, code, action, "")
+USAGE = """\
+usage: nri-cpuplugin-hook [--config FILE] [--state-dir DIR] [--reserved-cpus LIST]
+                          [--sysfs ROOT] [--cgroup-root DIR] [--lock-timeout SECONDS] [STAGE]
+
+Place (createRuntime) or release (poststop) the container whose OCI state JSON is on stdin,
+writing cgroupfs directly.  Without STAGE it is read from the state's status (creating ->
+createRuntime, stopped -> poststop).  Also run as `nri-cpuplugin hook`.
+
+  STAGE                    createRuntime (also prestart) or poststop
+  --config FILE            TOML configuration (the daemon's keys)
+  --state-dir DIR          state directory (/var/lib/nri-cpuplugin)
+  --reserved-cpus LIST     reserved CPUs, e.g. 0-1 (instead of the configured ones)
+  --sysfs ROOT             sysfs root for the topology (/sys)
+  --cgroup-root DIR        cgroup mount root (/sys/fs/cgroup; v1 or v2)
+  --lock-timeout SECONDS   longest wait for the state lock (10); keep it well below the
+                           hook's timeout
+"""
+# The hook parses its few options itself: argparse and the CLI's parser cost more start-up
+# time than the rest of the hook's own code (docs/benchmarks.md, "OCI hook").
+FLAGS = ("--config", "--state-dir", "--reserved-cpus", "--sysfs", "--cgroup-root", "--lock-timeout")
 
 
-def options_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Options:
-    env = os.environ if environ is None else environ
-    return Options(
-        stage=getattr(args, "stage", None),
-        cgroup_root=getattr(args, "cgroup_root", None) or cgroupfs.DEFAULT_ROOT,
-        lock_timeout=getattr(args, "lock_timeout", None) or DEFAULT_LOCK_TIMEOUT,
-        fault=env.get(FAULT_ENV) or None,
+class UsageError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]] | None:
+    """(STAGE or None, {flag name without dashes: value}); None for --help."""
+    stage: str | None = None
+    values: dict[str, str] = {}
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-h", "--help"):
+            return None
+        if arg.startswith("-") and arg != "-":
+            flag, has_value, value = arg.partition("=")
+            if flag not in FLAGS:
+                raise UsageError(f"unknown option {flag}; options: {', '.join(FLAGS)}")
+            if not has_value:
+                value = next(args, None)
+                if value is None:
+                    raise UsageError(f"{flag} needs a value")
+            values[flag[2:]] = value
+        elif stage is None:
+            stage = arg
+        else:
+            raise UsageError(f"unexpected argument {arg!r}: only one STAGE is taken")
+    return stage, values
+
+
+def settings_and_options(
+    stage: str | None, values: Mapping[str, str], environ: Mapping[str, str]
+) -> tuple[Settings, Options]:
+    """Defaults, then the config file, then the flags (flags win)."""
+    config = values.get("config")
+    base = merge(Settings(), load_file(config)) if config else Settings()
+    flags: dict[str, Any] = {}
+    if "state-dir" in values:
+        flags["state_dir"] = values["state-dir"]
+    if "sysfs" in values:
+        flags["sysfs"] = values["sysfs"]
+    if "reserved-cpus" in values:
+        try:
+            flags["reserved_cpus"] = CPUSet.parse(values["reserved-cpus"])
+        except ValueError as err:
+            raise ConfigError(f"--reserved-cpus: {err}") from None
+        flags["reserved_cpu_count"] = None
+    lock_timeout = DEFAULT_LOCK_TIMEOUT
+    if "lock-timeout" in values:
+        try:
+            lock_timeout = float(values["lock-timeout"])
+        except ValueError:
+            lock_timeout = -1.0
+        if not 0 <= lock_timeout < float("inf"):
+            raise ConfigError(
+                f"--lock-timeout {values['lock-timeout']!r}: expected a number of seconds >= 0"
+            )
+    options = Options(
+        stage=stage,
+        cgroup_root=values.get("cgroup-root") or cgroupfs.DEFAULT_ROOT,
+        lock_timeout=lock_timeout,
+        fault=environ.get(FAULT_ENV) or None,
     )
+    return merge(base, flags), options
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``nri-cpuplugin-hook``: the same as ``nri-cpuplugin hook``."""
-    from .cli import main as cli_main
+    """``nri-cpuplugin-hook`` (and ``nri-cpuplugin hook``)."""
+    jsonbytes.use_stdlib()  # a new process per container start: start-up time matters most
+    try:
+        parsed = parse_args(sys.argv[1:] if argv is None else argv)
+        if parsed is None:
+            sys.stdout.write(USAGE)
+            return EXIT_OK
+        settings, options = settings_and_options(*parsed, os.environ)
+    except (UsageError, ConfigError) as err:
+        return _fail(sys.stderr, Audit(SOURCE="oci-hook"), str(err), EXIT_INPUT, "hook-config", "")
+    return run(settings, options, sys.stdin.buffer, sys.stderr)
 
-    return cli_main(["hook", *(sys.argv[1:] if argv is None else argv)])
+
+def launch() -> None:
+    """The entry of the launcher ``nri-cpuplugin install-hook`` writes (hook_launcher.py): ``main``,
+    then exit without the interpreter's teardown (~3 ms of module and object cleanup): by then
+    the state is committed and fsynced, the cgroups are written, the audit records are sent,
+    and the standard streams are flushed here."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

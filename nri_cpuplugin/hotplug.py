@@ -28,13 +28,13 @@ import errno
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import audit as audit_mod
 from . import cgroupfs
 from .cpuset import CPUSet
 from .liveness import cgroup_path
+from .value import Value
 
 if TYPE_CHECKING:
     import socket
@@ -50,8 +50,7 @@ ACTIONS = ("online", "offline")
 _WITNESSES = ("cpu", "cpu,cpuacct", "cpuacct,cpu", "memory", "pids")
 
 
-@dataclass(frozen=True)
-class CPUEvent:
+class CPUEvent(Value):
     action: str  # "online" | "offline"; "overflow" when events were lost (re-read sysfs)
     cpu: int  # -1 for "overflow"
     seqnum: int | None
@@ -172,8 +171,7 @@ def audit_changes(audit: audit_mod.Audit, followed: Followed) -> None:
 # --- cgroup repairs ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(Value):
     """A container cgroup to bring to a cpuset."""
 
     container_id: str
@@ -182,8 +180,7 @@ class Target:
     mems: CPUSet | None = None
 
 
-@dataclass
-class Applied:
+class Applied(Value):
     errors: list[str]  # one line per container that could not be written
     returned: dict[str, int]  # container id -> processes put back into its cpuset (v1)
 

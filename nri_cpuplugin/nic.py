@@ -10,7 +10,7 @@ the hook path), and the kernel describes every interface over netlink
    created (pyroute2's own netns helpers default to ``O_CREAT``, which would mount a fresh empty
    netns under a mistyped name), the daemon's threads stay in their namespace, and it costs
    ~0.3 ms where pyroute2's forked helper costs ~17 ms per container.  The messages are built
-   and parsed by pyroute2 (``ifinfmsg``, ``MarshalRtnl``).
+   and parsed by ``rtnetlink.py`` (not pyroute2: see there).
 2. Each interface's parent device: ``IFLA_PARENT_DEV_NAME`` / ``IFLA_PARENT_DEV_BUS_NAME``
    (Linux >= 5.14).  A macvlan/ipvlan/vlan has none; its lower device (``IFLA_LINK``, in the
    netns ``IFLA_LINK_NETNSID`` names) is looked up instead when it lives in our own netns.
@@ -23,8 +23,8 @@ Host-network pods get no NIC preference unless an annotation names interfaces (o
 Annotations are untrusted: they choose among the CPUs the container is entitled to, never more;
 "strict" only lets a pod fail its own creation rather than run far from its NIC.
 
-pyroute2 is imported on first use only: importing it costs ~280 ms (its package imports every
-submodule), which the OCI hook pays only for exclusive containers in pods with a NIC to find.
+socket, threading and ctypes are imported only when a namespace is read: the OCI hook loads
+this module for every exclusive candidate.
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from . import rtnetlink
 from .cpuset import CPUSet
 from .policy import NICPreference, PolicyError
 from .topology import Topology
+from .value import Value
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:  # socket and threading are imported when a namespace is inspected
     import socket
+    from typing import Any
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
@@ -66,8 +67,7 @@ class NICError(Exception):
     """The pod's network namespace could not be inspected; the message says why."""
 
 
-@dataclass(frozen=True)
-class NIC:
+class NIC(Value):
     """One interface of the pod and where its device sits."""
 
     name: str
@@ -83,16 +83,14 @@ class NIC:
         return f"{self.name} ({self.device}{via}, {where})"
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(Value):
     """What the pod's annotations ask for."""
 
     names: tuple[str, ...] | None = None  # None: every interface of the pod's netns
     mode: str = "prefer"
 
 
-@dataclass(frozen=True)
-class Locality:
+class Locality(Value):
     """The outcome for one container: the preference for the policy, and what to explain."""
 
     preference: NICPreference | None
@@ -167,12 +165,14 @@ def _libc() -> Any:
 
 def netlink_socket(netns: str | None) -> socket.socket:
     """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
-    import socket
-    import threading
+    # The C cores of socket and threading: the OCI hook gets here for every exclusive container
+    # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
+    import _socket
+    import _thread
 
-    flags = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+    flags = _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC
     if netns is None:
-        return socket.socket(socket.AF_NETLINK, flags, 0)
+        return _socket.socket(_socket.AF_NETLINK, flags, 0)
     try:
         # No O_CREAT, ever: attach to what exists or fail.
         ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -194,18 +194,22 @@ def netlink_socket(netns: str | None) -> socket.socket:
                 )
                 return
             try:
-                result["sock"] = socket.socket(socket.AF_NETLINK, flags, 0)
+                result["sock"] = _socket.socket(_socket.AF_NETLINK, flags, 0)
             finally:
                 libc.setns(own, CLONE_NEWNET)
         except OSError as err:
             result["error"] = NICError(f"netlink socket in {netns}: {err.strerror}")
+        except BaseException as err:  # whatever happens, the caller hears of it
+            result["error"] = err
         finally:
             os.close(own)
+            done.release()
 
+    done = _thread.allocate_lock()
+    done.acquire()
     try:
-        thread = threading.Thread(target=enter, name="nri-cpuplugin-netns", daemon=True)
-        thread.start()
-        thread.join()
+        _thread.start_new_thread(enter, ())
+        done.acquire()  # released as the thread ends: a join
     finally:
         os.close(ns_fd)
     if "error" in result:
@@ -219,56 +223,41 @@ def _errno() -> int:
     return ctypes.get_errno()
 
 
-def _request(sock: socket.socket, msg: Any, msg_type: int, flags: int, seq: int) -> list[Any]:
-    """Send one request, return the parsed answers (all parts of a dump)."""
-    from pyroute2.netlink import NLM_F_MULTI, NLMSG_DONE
-    from pyroute2.netlink.rtnl.marshal import MarshalRtnl
-
-    msg["header"]["type"] = msg_type
-    msg["header"]["flags"] = flags
-    msg["header"]["sequence_number"] = seq
-    msg.encode()
+def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
+    """Send one request, return the answers (all parts of a dump)."""
     sock.settimeout(NETLINK_TIMEOUT)
-    sock.send(msg.data)
-    marshal = MarshalRtnl()
-    answers: list[Any] = []
+    sock.send(request)
+    answers: list[rtnetlink.Message] = []
     while True:
         try:
             data = sock.recv(1 << 16)
         except TimeoutError:
             raise NICError("the kernel did not answer a netlink request in time") from None
-        for part in marshal.parse(data):
-            if part["header"]["sequence_number"] != seq:
+        try:
+            parts = rtnetlink.parse(data)
+        except rtnetlink.NetlinkError as err:
+            raise NICError(f"netlink: {err}") from None
+        for part in parts:
+            if part.seq != seq:
                 continue
-            error = part["header"].get("error")
-            if error is not None:
-                raise NICError(f"netlink: {error}")
-            if part["header"]["type"] == NLMSG_DONE:
+            if part.error:
+                raise NICError(f"netlink: {os.strerror(part.error)}")
+            if part.type == rtnetlink.NLMSG_DONE:
                 return answers
             answers.append(part)
             if len(answers) > MAX_LINKS:
                 raise NICError(f"more than {MAX_LINKS} links: refusing to go on")
-            if not part["header"]["flags"] & NLM_F_MULTI:
+            if not part.flags & rtnetlink.NLM_F_MULTI:
                 return answers
 
 
-def _links(sock: socket.socket) -> list[Any]:
-    from pyroute2.netlink import NLM_F_DUMP, NLM_F_REQUEST
-    from pyroute2.netlink.rtnl import RTM_GETLINK
-    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
-
-    return _request(sock, ifinfmsg(), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1)
+def _links(sock: socket.socket) -> list[rtnetlink.Message]:
+    return _request(sock, rtnetlink.get_links(1), 1)
 
 
-def _link_by_index(sock: socket.socket, index: int) -> Any | None:
-    from pyroute2.netlink import NLM_F_REQUEST
-    from pyroute2.netlink.rtnl import RTM_GETLINK
-    from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
-
-    msg = ifinfmsg()
-    msg["index"] = index
+def _link_by_index(sock: socket.socket, index: int) -> rtnetlink.Message | None:
     try:
-        answers = _request(sock, msg, RTM_GETLINK, NLM_F_REQUEST, 3)
+        answers = _request(sock, rtnetlink.get_link(3, index), 3)
     except NICError:
         return None  # gone meanwhile (ENODEV): nothing to say about it
     return answers[0] if answers else None
@@ -276,26 +265,19 @@ def _link_by_index(sock: socket.socket, index: int) -> Any | None:
 
 def _nsid_of_own_netns(sock: socket.socket) -> int | None:
     """The id under which the namespace behind ``sock`` knows *our* network namespace."""
-    from pyroute2.netlink import NLM_F_REQUEST
-    from pyroute2.netlink.rtnl import RTM_GETNSID
-    from pyroute2.netlink.rtnl.nsidmsg import nsidmsg
-
     fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        msg = nsidmsg()
-        msg["attrs"].append(("NETNSA_FD", fd))
-        answers = _request(sock, msg, RTM_GETNSID, NLM_F_REQUEST, 2)
+        answers = _request(sock, rtnetlink.get_nsid(2, fd), 2)
     finally:
         os.close(fd)
     for answer in answers:
-        nsid = answer.get_attr("NETNSA_NSID")
-        if nsid is not None and nsid < 0xFFFFFFFF:  # -1 (unsigned) means "no id assigned"
+        nsid = answer.s32(rtnetlink.NETNSA_NSID)
+        if nsid is not None and nsid >= 0:  # -1 means "no id assigned"
             return nsid
     return None
 
 
-@dataclass(frozen=True)
-class Link:
+class Link(Value):
     """What netlink says about one interface (the part we use)."""
 
     index: int
@@ -308,17 +290,21 @@ class Link:
     loopback: bool
 
 
-def _link(msg: Any) -> Link:
-    link = msg.get_attr("IFLA_LINK")
+def _link(msg: rtnetlink.Message) -> Link:
+    link = msg.u32(rtnetlink.IFLA_LINK)
+    try:
+        kind = msg.nested_string(rtnetlink.IFLA_LINKINFO, rtnetlink.IFLA_INFO_KIND) or ""
+    except rtnetlink.NetlinkError as err:
+        raise NICError(f"netlink: link {msg.index}: {err}") from None
     return Link(
-        index=msg["index"],
-        name=msg.get_attr("IFLA_IFNAME") or "",
-        kind=msg.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or "",
-        parent_bus=msg.get_attr("IFLA_PARENT_DEV_BUS_NAME") or "",
-        parent_dev=msg.get_attr("IFLA_PARENT_DEV_NAME") or "",
-        lower=link if link and link != msg["index"] else None,
-        lower_nsid=msg.get_attr("IFLA_LINK_NETNSID"),
-        loopback=bool(msg["flags"] & 0x8),  # IFF_LOOPBACK
+        index=msg.index,
+        name=msg.string(rtnetlink.IFLA_IFNAME) or "",
+        kind=kind,
+        parent_bus=msg.string(rtnetlink.IFLA_PARENT_DEV_BUS_NAME) or "",
+        parent_dev=msg.string(rtnetlink.IFLA_PARENT_DEV_NAME) or "",
+        lower=link if link and link != msg.index else None,
+        lower_nsid=msg.s32(rtnetlink.IFLA_LINK_NETNSID),
+        loopback=bool(msg.link_flags & 0x8),  # IFF_LOOPBACK
     )
 
 
@@ -356,15 +342,15 @@ def device_numa(sysfs: str, bus: str, device: str, topology: Topology | None = N
             return None
     root = os.path.realpath(sysfs)
     try:
-        path = Path(os.path.realpath(os.path.join(root, "bus", bus, "devices", device)))
+        path = os.path.realpath(os.path.join(root, "bus", bus, "devices", device))
     except OSError:
         return None
-    devices = Path(root) / "devices"
-    while devices in path.parents:
-        node = _read_int(path / "numa_node")
+    devices = os.path.join(root, "devices") + os.sep
+    while path.startswith(devices):  # below <root>/devices/, never above
+        node = _read_int(os.path.join(path, "numa_node"))
         if node is not None:
             return node if node >= 0 else None
-        local = _read_text(path / "local_cpulist")
+        local = _read_text(os.path.join(path, "local_cpulist"))
         if local is not None and topology is not None:
             try:
                 cpus = CPUSet.parse(local) & topology.online
@@ -374,11 +360,11 @@ def device_numa(sysfs: str, bus: str, device: str, topology: Topology | None = N
             # All online CPUs is what the kernel prints when it knows nothing (-1).
             if len(nodes) == 1 and cpus != topology.online:
                 return min(nodes)
-        path = path.parent
+        path = os.path.dirname(path)
     return None
 
 
-def _read_text(path: Path) -> str | None:
+def _read_text(path: str) -> str | None:
     try:
         with open(path) as f:
             return f.read(4096).strip()
@@ -386,7 +372,7 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _read_int(path: Path) -> int | None:
+def _read_int(path: str) -> int | None:
     text = _read_text(path)
     if text is None:
         return None

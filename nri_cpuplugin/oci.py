@@ -13,10 +13,9 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import Any, BinaryIO, NamedTuple
 
-import orjson
-
+from . import jsonbytes
+from .value import Value
 from .workload import (
     BESTEFFORT,
     Workload,
@@ -24,6 +23,10 @@ from .workload import (
     millicores_from_shares,
     qos_from_cgroup_parent,
 )
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
 
 # The state document is small (id, pid, bundle, annotations); Kubernetes caps a pod's
 # annotations at 256 KiB, so 1 MiB leaves room and still bounds what we read.
@@ -53,7 +56,7 @@ class InputError(ValueError):
     """Input from the runtime that we refuse to act on; the message says what and why."""
 
 
-class OCIState(NamedTuple):
+class OCIState(Value):
     """The runtime-spec "State" a hook reads from stdin."""
 
     id: str
@@ -63,7 +66,7 @@ class OCIState(NamedTuple):
     annotations: Mapping[str, str]
 
 
-class OCIConfig(NamedTuple):
+class OCIConfig(Value):
     """The parts of ``<bundle>/config.json`` the policy needs."""
 
     annotations: Mapping[str, str]
@@ -89,8 +92,8 @@ def parse_state(data: bytes) -> OCIState:
     if not data.strip():
         raise InputError("no container state on stdin (expected the OCI state JSON)")
     try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as err:
+        doc = jsonbytes.loads(data)
+    except jsonbytes.DecodeError as err:
         raise InputError(f"the container state on stdin is not JSON: {err}") from None
     if not isinstance(doc, dict):
         raise InputError("the container state on stdin is not a JSON object")
@@ -169,8 +172,8 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> OCIConfig:
 
 def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
     try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as err:
+        doc = jsonbytes.loads(data)
+    except jsonbytes.DecodeError as err:
         raise InputError(f"{path} is not JSON: {err}") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path} is not a JSON object")

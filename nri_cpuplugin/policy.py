@@ -30,12 +30,12 @@ state before any effect is applied.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
 
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import CPUSet
 from .state import Assignment, NodeState, Released
 from .topology import Topology
+from .value import Value
 from .workload import GUARANTEED, Workload
 
 POLICY_NAME = "static"
@@ -51,8 +51,7 @@ class PolicyError(Exception):
     """A request that cannot be met; the message is shown to whoever created the container."""
 
 
-@dataclass(frozen=True)
-class NICPreference:
+class NICPreference(Value):
     """Where a container's network interfaces are attached (built by nic.py)."""
 
     nodes: CPUSet  # NUMA nodes of the NICs; empty means no preference
@@ -60,8 +59,7 @@ class NICPreference:
     nics: tuple[str, ...] = ()  # one description per NIC, for the audit trail and status
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(Value):
     container_id: str
     exclusive: bool
     cpus: CPUSet  # the container's cpuset: its exclusive CPUs, or the shared pool
@@ -75,8 +73,7 @@ class Decision:
         return self.shared_before != self.shared_after
 
 
-@dataclass(frozen=True)
-class HotplugChange:
+class HotplugChange(Value):
     """What following the online set did to one exclusive container."""
 
     container_id: str
@@ -87,8 +84,7 @@ class HotplugChange:
     reason: str
 
 
-@dataclass(frozen=True)
-class Followed:
+class Followed(Value):
     state: NodeState
     changes: tuple[HotplugChange, ...]
 
@@ -415,7 +411,7 @@ class StaticPolicy:
             # a new configuration) cannot return: treat it as lost now, to be replaced.
             dead = (a.lost & online) - usable
             if gone or dead:
-                held[cid] = replace(a, cpus=a.cpus - gone, lost=(a.lost | gone) - dead)
+                held[cid] = a.evolve(cpus=a.cpus - gone, lost=(a.lost | gone) - dead)
                 newly_lost[cid] = gone | dead
         for cid in sorted(held):  # 2.
             a = held[cid]
@@ -425,7 +421,7 @@ class StaticPolicy:
                 if self.shared_pool(taken() | back | {cpu}):
                     back |= {cpu}
             if back:
-                held[cid] = a = replace(a, cpus=a.cpus | back, lost=a.lost - back)
+                held[cid] = a = a.evolve(cpus=a.cpus | back, lost=a.lost - back)
                 changes.append(
                     HotplugChange(
                         cid, "restored", back, a.cpus, a.lost, f"CPU {back} is usable again"
@@ -439,7 +435,7 @@ class StaticPolicy:
                 continue
             pick, where = self._replacement(held, a, missing, previous)
             if pick:
-                held[cid] = a = replace(a, cpus=a.cpus | pick, lost=a.lost - missing)
+                held[cid] = a = a.evolve(cpus=a.cpus | pick, lost=a.lost - missing)
                 changes.append(
                     HotplugChange(
                         cid,
@@ -472,7 +468,7 @@ class StaticPolicy:
                 break
             a = max(victims, key=lambda v: (len(v.cpus), max(v.cpus), v.container_id))
             cpu = CPUSet([max(a.cpus & self._shareable)])
-            held[a.container_id] = a = replace(a, cpus=a.cpus - cpu, lost=a.lost | cpu)
+            held[a.container_id] = a = a.evolve(cpus=a.cpus - cpu, lost=a.lost | cpu)
             changes.append(
                 HotplugChange(
                     a.container_id,

@@ -16,22 +16,20 @@ what changed out.  The rules, in order:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from .cpuset import CPUSet
 from .policy import PolicyError, StaticPolicy
 from .state import NodeState
+from .value import Value
 from .workload import Workload
 
 
-@dataclass(frozen=True)
-class LiveContainer:
+class LiveContainer(Value):
     workload: Workload
     cpus: CPUSet  # what it runs on now (empty when unknown)
 
 
-@dataclass(frozen=True)
-class Reconciled:
+class Reconciled(Value):
     state: NodeState
     notes: tuple[str, ...]  # one line per change, for the audit trail
 

@@ -8,16 +8,27 @@ and atomic replacement live in ``store.py``.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
 
-import orjson
+from . import jsonbytes
 
+# CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
+# the OCI hook.
+try:
+    from _sha256 import sha256  # CPython 3.11
+except ImportError:  # pragma: no cover - other versions
+    try:
+        from _sha2 import sha256  # CPython >= 3.12
+    except ImportError:
+        from hashlib import sha256
 from .cpuset import CPUSet
+from .value import Value
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 FORMAT_VERSION = 1
 CONTAINER_KINDS = ("app", "init", "sidecar")
@@ -27,8 +38,7 @@ class StateFormatError(ValueError):
     """A state document that must not be trusted; the message says why."""
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(Value):
     """Exclusive CPUs held by one live container.
 
     ``lost`` are CPUs it held that went offline (or were taken back to keep the shared pool
@@ -48,8 +58,8 @@ class Assignment:
     pod_name: str = ""
     pod_namespace: str = ""
     kind: str = "app"
-    lost: CPUSet = field(default_factory=CPUSet)
-    nic_nodes: CPUSet = field(default_factory=CPUSet)
+    lost: CPUSet = CPUSet()
+    nic_nodes: CPUSet = CPUSet()
     nics: tuple[str, ...] = ()
     nic_strict: bool = False
 
@@ -63,13 +73,15 @@ class Assignment:
         return len(self.cpus) + len(self.lost)
 
 
-@dataclass(frozen=True)
-class Released:
+class Released(Value):
     """What a stopped container held, so its restart (same pod and name) gets the same CPUs and
     a finished init container's CPUs can go to the app containers of its pod."""
 
     cpus: CPUSet
     kind: str
+
+
+_EMPTY: Mapping = MappingProxyType({})
 
 
 def _frozen(mapping: Mapping | None) -> Mapping:
@@ -79,20 +91,19 @@ def _frozen(mapping: Mapping | None) -> Mapping:
     return MappingProxyType(dict(mapping or {}))
 
 
-@dataclass(frozen=True)
-class NodeState:
+class NodeState(Value):
     policy: str
     fingerprint: str
     reserved: CPUSet
     shared: CPUSet
-    assignments: Mapping[str, Assignment] = field(default_factory=dict)
-    released: Mapping[tuple[str, str], Released] = field(default_factory=dict)
+    assignments: Mapping[str, Assignment] = _EMPTY
+    released: Mapping[tuple[str, str], Released] = _EMPTY
     # Live containers running in the shared pool (id -> pod uid): the ones whose cpuset must
     # follow the pool.  Kept here so a restart without a runtime resync still knows them.
-    sharing: Mapping[str, str] = field(default_factory=dict)
+    sharing: Mapping[str, str] = _EMPTY
     # Where tracked containers' cgroups are (id -> the runtime's cgroupsPath), so that their
     # liveness can be checked when the runtime cannot be asked (see liveness.py).
-    cgroups: Mapping[str, str] = field(default_factory=dict)
+    cgroups: Mapping[str, str] = _EMPTY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignments", _frozen(self.assignments))
@@ -105,9 +116,6 @@ class NodeState:
         """All exclusively assigned CPUs (computed once per state value)."""
         # Assignment sets are CPUSets already: skip re-validating every id.
         return CPUSet._trusted(frozenset().union(*(a.cpus for a in self.assignments.values())))
-
-    def evolve(self, **changes: Any) -> NodeState:
-        return replace(self, **changes)
 
 
 # --- document form ------------------------------------------------------------------------
@@ -158,20 +166,18 @@ def to_document(state: NodeState) -> dict[str, Any]:
 
 def checksum(body: Mapping[str, Any]) -> str:
     canonical = {k: v for k, v in body.items() if k != "checksum"}
-    return (
-        "sha256:" + hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    )
+    return "sha256:" + sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
 
 
 def encode(state: NodeState) -> bytes:
-    return orjson.dumps(to_document(state), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    return jsonbytes.dumps(to_document(state), sort_keys=True, indent=True)
 
 
 def decode(data: bytes) -> NodeState:
     """Parse and verify a document; raise StateFormatError saying what is wrong."""
     try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as err:
+        doc = jsonbytes.loads(data)
+    except jsonbytes.DecodeError as err:
         raise StateFormatError(f"not valid JSON ({err})") from None
     if not isinstance(doc, dict):
         raise StateFormatError("the document is not a JSON object")

@@ -21,18 +21,17 @@ Why it is built this way (see DESIGN.md, "State"):
 
 from __future__ import annotations
 
+import _thread  # threading's Lock and get_ident, without importing threading (the hook)
 import contextlib
 import errno
 import os
 import stat
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from .cpuset import CPUSet
 from .state import NodeState, StateFormatError, decode, encode
+from .value import Value
 
 STATE_FILE = "state.json"
 LOCK_FILE = "state.lock"
@@ -55,8 +54,7 @@ class StateLockTimeout(Exception):
     """The state lock could not be taken in time; the message names the lock and what to do."""
 
 
-@dataclass(frozen=True)
-class CommitTiming:
+class CommitTiming(Value):
     """How long one commit took, so benchmarks can report the share spent waiting on the disk."""
 
     total_seconds: float
@@ -64,8 +62,7 @@ class CommitTiming:
     bytes_written: int
 
 
-@dataclass(frozen=True)
-class Expected:
+class Expected(Value):
     """What the running configuration requires of a stored state before it may be trusted."""
 
     policy: str
@@ -75,13 +72,12 @@ class Expected:
     reserved: CPUSet
 
 
-@dataclass(frozen=True)
-class LoadResult:
+class LoadResult(Value):
     """Outcome of reading the state file: a trusted state, or why there is none."""
 
     state: NodeState | None
     problem: str | None = None
-    quarantined: Path | None = None
+    quarantined: str | None = None
 
 
 class _Unusable(Exception):
@@ -100,7 +96,7 @@ class _PathLock:
 
     def __init__(self, lock_path: str) -> None:
         self.lock_path = lock_path
-        self.mutex = threading.Lock()
+        self.mutex = _thread.allocate_lock()
         # Imported on first use: filelock pulls in asyncio, ssl and sqlite3 (~90 ms), which the
         # OCI hook - started once per container, taking the same flock itself - must not pay.
         import filelock
@@ -111,24 +107,24 @@ class _PathLock:
         self.owner: int | None = None  # thread ident of the holder
 
     def held_by_me(self) -> bool:
-        return self.owner == threading.get_ident()
+        return self.owner == _thread.get_ident()
 
 
 _registry: dict[str, _PathLock] = {}
-_registry_guard = threading.Lock()
+_registry_guard = _thread.allocate_lock()
 
 
 def _reset_registry_after_fork() -> None:
     # A forked child inherits mutexes that may be held by threads that do not exist in it.
     global _registry, _registry_guard
     _registry = {}
-    _registry_guard = threading.Lock()
+    _registry_guard = _thread.allocate_lock()
 
 
 os.register_at_fork(after_in_child=_reset_registry_after_fork)
 
 
-def _path_lock(lock_path: Path) -> _PathLock:
+def _path_lock(lock_path: str) -> _PathLock:
     # realpath so that two spellings of one directory (symlinks, "..") share one entry.
     key = os.path.realpath(lock_path)
     with _registry_guard:
@@ -146,13 +142,14 @@ class StateStore:
 
     def __init__(self, state_dir: str | os.PathLike[str], lock_timeout: float = 10.0) -> None:
         # Nothing touches the disk here, so constructing a store (e.g. for ``status``) is free.
-        self.state_dir = Path(state_dir)
+        # Plain strings, not pathlib: the OCI hook must not pay for importing it.
+        self.state_dir = os.fspath(state_dir)
         self.lock_timeout = lock_timeout
-        self.state_path = self.state_dir / STATE_FILE
-        self.lock_path = self.state_dir / LOCK_FILE
+        self.state_path = os.path.join(self.state_dir, STATE_FILE)
+        self.lock_path = os.path.join(self.state_dir, LOCK_FILE)
 
     def __repr__(self) -> str:
-        return f"StateStore({str(self.state_dir)!r})"
+        return f"StateStore({self.state_dir!r})"
 
     # --- locking ---------------------------------------------------------------------------
 
@@ -188,7 +185,7 @@ class StateStore:
                     "another nri-cpuplugin process (daemon, hook or CLI) holds it; wait for it "
                     f"to finish or stop it (`fuser -v {self.lock_path}` shows who), then retry"
                 ) from None
-            entry.owner = threading.get_ident()
+            entry.owner = _thread.get_ident()
             try:
                 yield self
             finally:
@@ -212,7 +209,7 @@ class StateStore:
                 errno.ENOTDIR,
                 f"state directory {self.state_dir} exists but is not a directory; remove it or "
                 "configure another state directory",
-                str(self.state_dir),
+                self.state_dir,
             ) from None
 
     # --- writing ---------------------------------------------------------------------------
@@ -231,7 +228,7 @@ class StateStore:
         started = time.perf_counter()
         self._remove_stale_temps()
         data = encode(state)
-        tmp_name = str(self.state_dir / f"{TEMP_PREFIX}{os.urandom(6).hex()}")
+        tmp_name = os.path.join(self.state_dir, f"{TEMP_PREFIX}{os.urandom(6).hex()}")
         # O_EXCL: a name that somehow exists is never reused; 0o600 like the state itself.
         fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         renamed = False
@@ -389,7 +386,7 @@ class StateStore:
         finally:
             os.close(fd)
 
-    def set_aside(self) -> Path | None:
+    def set_aside(self) -> str | None:
         """Move a readable but unusable state file aside (kept); the caller holds the lock.
 
         For documents that decode fine but that the running policy cannot honour."""
@@ -399,20 +396,20 @@ class StateStore:
             return None
         return self._quarantine()
 
-    def _quarantine(self) -> Path:
+    def _quarantine(self) -> str:
         """Rename the state file aside (never over an earlier one) and prune old ones."""
         seconds, micros = divmod(round(_clock() * 1_000_000), 1_000_000)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds)) + f".{micros:06d}Z"
-        target = self.state_dir / f"{QUARANTINE_PREFIX}{stamp}"
+        target = os.path.join(self.state_dir, f"{QUARANTINE_PREFIX}{stamp}")
         suffix = 0
         while os.path.lexists(target):  # same microsecond, or a clock that stepped back
             suffix += 1
-            target = self.state_dir / f"{QUARANTINE_PREFIX}{stamp}-{suffix}"
+            target = os.path.join(self.state_dir, f"{QUARANTINE_PREFIX}{stamp}-{suffix}")
         os.rename(self.state_path, target)
         self._prune_quarantine(keep=target)
         return target
 
-    def _prune_quarantine(self, keep: Path) -> None:
+    def _prune_quarantine(self, keep: str) -> None:
         # Names embed a UTC timestamp, so name order is age order.  Directories are left alone:
         # we never create them, and removing trees someone else made is not ours to do.
         with contextlib.suppress(OSError), os.scandir(self.state_dir) as entries:
@@ -423,9 +420,9 @@ class StateStore:
                 and not entry.is_dir(follow_symlinks=False)
             )
             for name in names[:-QUARANTINE_KEEP]:
-                if name != keep.name:
+                if name != os.path.basename(keep):
                     with contextlib.suppress(OSError):
-                        os.unlink(self.state_dir / name)
+                        os.unlink(os.path.join(self.state_dir, name))
 
 
 def _too_large(size: int) -> str:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
-from typing import Any
 
 from .cpuset import MAX_CPU_ID, CPUSet
+from .value import Value
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
 
 DEFAULT_SYSFS = "/sys"
 
@@ -27,8 +30,7 @@ class TopologyError(Exception):
     """The topology source is unreadable or inconsistent."""
 
 
-@dataclass(frozen=True)
-class CPUInfo:
+class CPUInfo(Value):
     id: int
     socket: int | None
     die: int | None
@@ -51,8 +53,7 @@ class CPUInfo:
         }
 
 
-@dataclass(frozen=True)
-class Topology:
+class Topology(Value):
     """An immutable view of all CPUs; group maps are derived once and cached."""
 
     cpus: tuple[CPUInfo, ...]
@@ -165,6 +166,7 @@ class Topology:
 def _int_field(
     entry: dict, key: str, index: int, nullable: bool = True, maximum: int | None = None
 ) -> int | None:
+
     # ids, NUMA nodes, cores and l3 groups end up in CPUSets (all_cpus, numa_of), which reject
     # values above MAX_CPU_ID with a ValueError; bound them here so a bad document fails at load
     # with a TopologyError naming the field instead of later, elsewhere.
@@ -223,6 +225,8 @@ def _read_int(path: Path) -> int | None:
 
 def discover(sysfs: str | os.PathLike[str] = DEFAULT_SYSFS) -> Topology:
     """Read the CPU topology below a sysfs root (``/sys`` or a generated test tree)."""
+    from pathlib import Path  # here: the OCI hook reads a cached topology, without pathlib
+
     root = Path(sysfs)
     cpu_dir = root / "devices/system/cpu"
     online = _read_cpulist(cpu_dir / "online")

@@ -9,8 +9,9 @@ quota/period.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from .value import Value
 
 GUARANTEED = "guaranteed"
 BURSTABLE = "burstable"
@@ -22,8 +23,7 @@ SHARES_PER_CPU = 1024
 MIN_SHARES = 2
 
 
-@dataclass(frozen=True)
-class Workload:
+class Workload(Value):
     container_id: str
     container_name: str
     pod_uid: str
@@ -32,7 +32,7 @@ class Workload:
     qos: str = BESTEFFORT
     cpu_request_milli: int = 0
     cpu_limit_milli: int | None = None
-    annotations: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = MappingProxyType({})
     kind: str = "app"  # app | init | sidecar (a restartable init container)
     cgroup_path: str = ""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
 from nri_cpuplugin.config import KNOWN_KEYS, Settings
@@ -23,7 +22,7 @@ def test_config_reference_matches_the_code():
     rows = table("config-reference")
     keys = [row[0].strip("`") for row in rows]
     assert sorted(keys) == KNOWN_KEYS
-    defaults = {f.name: f.default for f in fields(Settings)}
+    defaults = {name: getattr(Settings, name) for name in Settings._fields}
     documented = {row[0].strip("`"): row[1] for row in rows}
     for key, field in (
         ("state_dir", "state_dir"),

@@ -523,6 +523,15 @@ def test_sdist_and_wheel_install_and_run(dist: Path, tmp_path: Path) -> None:
     assert result.returncode == 0 and json.loads(result.stdout)["cpus"], result.stderr
     result = run([str(bin_dir / "nri-cpuplugin-hook"), "--help"], cwd="/", env={})
     assert result.returncode == 0, result.stderr
+    # hooks/README.md: `install-hook` replaces the link with the launcher, which runs the
+    # installed package with -I -S (no site-packages scan) and no environment at all.
+    launcher = bin_dir / "nri-cpuplugin-hook"
+    result = run([str(bin_dir / "nri-cpuplugin"), "install-hook", "--path", str(launcher)],
+                 cwd="/", env={})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert launcher.read_text().startswith(f"#!{python} -IS\n") and not launcher.is_symlink()
+    result = run([str(launcher), "--help"], cwd="/", env={})
+    assert result.returncode == 0 and result.stdout.startswith("usage: nri-cpuplugin-hook")
 
 
 def test_pip_install_from_a_clean_clone(clone: Path, tmp_path: Path) -> None:

@@ -184,22 +184,22 @@ def test_corrupt_file_is_moved_aside_and_kept(state_dir: Path, name: str) -> Non
         result = store.load()
     assert result.state is None
     assert expected_text in result.problem and str(state_dir / "state.json") in result.problem
-    assert result.quarantined is not None and result.quarantined.parent == state_dir
-    assert result.quarantined.name.startswith("state.json.bad-")
-    assert result.quarantined.read_bytes() == data
+    assert result.quarantined is not None and Path(result.quarantined).parent == state_dir
+    assert Path(result.quarantined).name.startswith("state.json.bad-")
+    assert Path(result.quarantined).read_bytes() == data
     assert not (state_dir / "state.json").exists()
     # The next load simply finds no state, and a commit starts afresh.
     assert store.load().problem.startswith("no state file")
     commit(store, make_state(2))
     assert store.load().state == make_state(2)
-    assert bad_files(state_dir) == [result.quarantined]
+    assert bad_files(state_dir) == [Path(result.quarantined)]
 
 
 def test_quarantine_name_is_a_utc_timestamp(state_dir: Path) -> None:
     state_dir.mkdir()
     (state_dir / "state.json").write_bytes(b"{")
     result = StateStore(state_dir).load()
-    stamp = result.quarantined.name.removeprefix("state.json.bad-")
+    stamp = Path(result.quarantined).name.removeprefix("state.json.bad-")
     assert time.strptime(stamp.split(".")[0], "%Y%m%dT%H%M%S")
     assert len(stamp.split(".")[1]) == len("123456Z") and stamp.endswith("Z")
 
@@ -209,7 +209,7 @@ def test_load_without_lock_still_quarantines_under_the_lock(state_dir: Path) -> 
     (state_dir / "state.json").write_bytes(b"{")
     store = StateStore(state_dir)
     result = store.load()  # takes the lock itself
-    assert result.quarantined is not None and result.quarantined.exists()
+    assert result.quarantined is not None and Path(result.quarantined).exists()
     assert not store.holds_lock()
 
 
@@ -241,7 +241,7 @@ def test_expectation_mismatch_is_moved_aside(
         assert word in result.problem
     other_fields = {"policy", "fingerprint", "reserved"} - {field}
     assert not any(f"{other} " in result.problem.split(": ", 1)[1] for other in other_fields)
-    assert result.quarantined.read_bytes() == encode(state)
+    assert Path(result.quarantined).read_bytes() == encode(state)
 
 
 def test_all_mismatches_are_named_at_once(state_dir: Path) -> None:
@@ -273,7 +273,8 @@ def test_state_file_is_a_directory(state_dir: Path) -> None:
     (state_dir / "state.json" / "inner").write_text("x")
     result = StateStore(state_dir).load()
     assert result.state is None and "is a directory" in result.problem
-    assert result.quarantined.is_dir() and (result.quarantined / "inner").read_text() == "x"
+    moved = Path(result.quarantined)
+    assert moved.is_dir() and (moved / "inner").read_text() == "x"
 
 
 def test_state_file_is_symlink_to_dev_zero(state_dir: Path) -> None:
@@ -284,7 +285,7 @@ def test_state_file_is_symlink_to_dev_zero(state_dir: Path) -> None:
     assert time.monotonic() - started < 5
     assert result.state is None and "symbolic link" in result.problem
     assert "/dev/zero" in result.problem
-    assert result.quarantined.is_symlink() and os.readlink(result.quarantined) == "/dev/zero"
+    assert Path(result.quarantined).is_symlink() and os.readlink(result.quarantined) == "/dev/zero"
 
 
 def test_state_file_is_symlink_to_valid_document(state_dir: Path, tmp_path: Path) -> None:
@@ -303,7 +304,7 @@ def test_state_file_is_a_fifo_does_not_hang(state_dir: Path) -> None:
     os.mkfifo(state_dir / "state.json")
     result = StateStore(state_dir).load()
     assert result.state is None and "not a regular file" in result.problem
-    assert stat.S_ISFIFO(result.quarantined.lstat().st_mode)
+    assert stat.S_ISFIFO(Path(result.quarantined).lstat().st_mode)
 
 
 def test_huge_file_is_not_read(state_dir: Path) -> None:
@@ -315,7 +316,7 @@ def test_huge_file_is_not_read(state_dir: Path) -> None:
     assert time.monotonic() - started < 2
     assert result.state is None and "too large" in result.problem
     assert str(1 << 30) in result.problem
-    assert result.quarantined.stat().st_size == 1 << 30
+    assert Path(result.quarantined).stat().st_size == 1 << 30
 
 
 def test_file_just_over_the_cap_is_too_large(state_dir: Path, monkeypatch) -> None:
@@ -345,7 +346,7 @@ def test_unreadable_file(state_dir: Path, monkeypatch) -> None:
         result = store.load()
     monkeypatch.undo()
     assert "cannot read state file" in result.problem and "Permission denied" in result.problem
-    assert result.quarantined.read_bytes() == encode(make_state())  # kept for inspection
+    assert Path(result.quarantined).read_bytes() == encode(make_state())  # kept for inspection
 
 
 def test_load_never_raises_even_on_internal_errors(state_dir: Path, monkeypatch) -> None:
@@ -381,8 +382,8 @@ def test_at_most_ten_quarantined_files_newest_kept(state_dir: Path) -> None:
     for k in range(3):
         (state_dir / "state.json").write_bytes(b"corrupt %d" % k)
         result = store.load()
-        seen.append(result.quarantined)
-        assert result.quarantined.read_bytes() == b"corrupt %d" % k
+        seen.append(Path(result.quarantined))
+        assert Path(result.quarantined).read_bytes() == b"corrupt %d" % k
 
     files = [p for p in bad_files(state_dir) if p.is_file()]
     assert len(files) == QUARANTINE_KEEP == 10
@@ -399,7 +400,7 @@ def test_quarantine_never_overwrites(state_dir: Path, monkeypatch) -> None:
     names = []
     for k in range(3):
         (state_dir / "state.json").write_bytes(b"bad %d" % k)
-        names.append(store.load().quarantined.name)
+        names.append(Path(store.load().quarantined).name)
     assert names == [
         "state.json.bad-20240102T030405.678901Z",
         "state.json.bad-20240102T030405.678901Z-1",

@@ -1,20 +1,23 @@
 """OCI hook benchmarks: one createRuntime invocation, and many at once under the state lock.
 
-Measured on the real cgroup hierarchy of this machine with fake containers (a cgroup and a
-``sleep`` process each, tests/harness/runc.py ``CgroupSandbox``) so that only the hook is
-timed, not runc.  The hook is started as the runtime starts it: an executable whose shebang
-names the interpreter, the state JSON on stdin, the environment given in the hook entry.
+The hook is measured as a node runs it: installed the way packaging/README.md says - a venv of
+the distribution's ``/usr/bin/python3`` with the package pip-installed (not editable) - and
+started as the runtime starts it: the program hooks/*.json names, the state JSON on stdin, the
+environment of the hook entry (PATH only).  Two programs are compared, side by side with a bare
+start of the same interpreter (``python -c pass``): the launcher ``nri-cpuplugin install-hook``
+writes (the default) and pip's ``nri-cpuplugin-hook`` console script.
 
-Bytecode: an installed package has its .pyc files; a developer shell often sets
-PYTHONDONTWRITEBYTECODE, which would make every hook run compile the package.  Both the hook
-and the bare interpreter run with PYTHONPYCACHEPREFIX pointing into the lab (warmed first),
-and without PYTHONDONTWRITEBYTECODE.
+Containers are fake (a cgroup on the real cgroup v1 hierarchy and a ``sleep`` process each,
+tests/harness/runc.py ``CgroupSandbox``) so that only the hook is timed, not runc.  Exclusive
+containers belong to a pod with a real network namespace (a veth and a macvlan on the host's
+NIC), which the hook inspects for NIC locality as it would on a CRI-O node, and the audit
+records go to a real systemd-journald (tests/harness/journald.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,12 +31,59 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from harness import debs  # noqa: E402
-from harness.runc import CgroupSandbox, hook_program, pod  # noqa: E402
+from harness.journald import PrivateJournal  # noqa: E402
+from harness.runc import CgroupSandbox, pod  # noqa: E402
+from netns_util import host_nic, pod_netns  # noqa: E402
+
+ROOT = TESTS.parent
+SYSTEM_PYTHON = "/usr/bin/python3"
+HOOK_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}  # hooks/*.json
 
 
-def _env(lab: Path) -> dict[str, str]:
-    env = {"PYTHONPYCACHEPREFIX": str(lab / "pycache")}
-    return env
+class Install:
+    """A production-style install of this checkout: venv, pip install, launcher."""
+
+    def __init__(self, lab: Path = debs.LAB) -> None:
+        self.dir = lab / "bench-install"
+        self.python = self.dir / "venv" / "bin" / "python"
+        self.console_script = self.dir / "venv" / "bin" / "nri-cpuplugin-hook"
+        self.launcher = self.dir / "bin" / "nri-cpuplugin-hook"
+
+    def build(self) -> Install:
+        """(Re)install the current sources; the venv and pip's cache are kept between runs."""
+        if not self.python.exists():
+            _call([SYSTEM_PYTHON, "-m", "venv", str(self.python.parents[1])])
+        # pip builds in the source tree: build from a copy of what the wheel is made of.
+        src = self.dir / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        src.mkdir(parents=True)
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(ROOT / name, src / name)
+        shutil.copytree(ROOT / "nri_cpuplugin", src / "nri_cpuplugin",
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        pip = [str(self.python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        _call([*pip, str(src)])  # dependencies, the first time
+        _call([*pip, "--no-deps", "--force-reinstall", str(src)])  # this checkout's code
+        self.launcher.parent.mkdir(exist_ok=True)
+        cli = self.python.parent / "nri-cpuplugin"
+        _call([str(cli), "install-hook", "--path", str(self.launcher)])
+        return self
+
+
+_built: dict[Path, Install] = {}
+
+
+def installed(lab: Path = debs.LAB) -> Install:
+    """The install of this checkout, built once per benchmark process."""
+    if lab not in _built:
+        _built[lab] = Install(lab).build()
+    return _built[lab]
+
+
+def _call(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed: {proc.stderr[-2000:]}")
 
 
 def _run(argv: list[str], stdin: bytes, env: dict[str, str]) -> tuple[float, int, str]:
@@ -53,65 +103,72 @@ def _lock_waits(stderr: str) -> list[float]:
     return waits
 
 
-def bench_hook_latency(samples: int = 200, lab: Path = debs.LAB) -> dict[str, Any]:
-    """Wall time of one ``createRuntime`` invocation, next to ``python -c pass``.
+def _args(box: CgroupSandbox) -> list[str]:
+    return ["--state-dir", str(box.state_dir), "--reserved-cpus", "0", "createRuntime"]
 
-    Each sample is a new container: even samples ask for 1 exclusive CPU (the hook pins it
-    and shrinks every shared container), odd ones are burstable (shared pool).  The previous
-    exclusive container is stopped first, so each run also finds and releases a stale entry.
-    Returns {"hook": summary, "bare": summary, "ratio_median", "ratio_p99", "interpreter",
-    "shared_containers", "samples"} (summaries in ms: n, median_ms, p99_ms, max_ms).
-    """
-    env = _env(lab)
-    python = sys.executable
-    hook_times: list[float] = []
-    bare_times: list[float] = []
-    with CgroupSandbox(lab) as box:
-        program = hook_program(box.dir / "bin")
-        argv = [
-            str(program),
-            "--state-dir",
-            str(box.state_dir),
-            "--reserved-cpus",
-            "0",
-            "createRuntime",
-        ]
+
+def bench_hook_latency(samples: int = 200, lab: Path = debs.LAB) -> dict[str, Any]:
+    """Wall time of one ``createRuntime`` invocation through each program, next to
+    ``python -c pass``.  Each sample starts, for each program in turn, a new container: even
+    samples ask for 1 exclusive CPU (the hook reads the pod's netns, pins the CPU and shrinks
+    every shared container; the previous exclusive container was stopped first, so the run also
+    finds and releases a stale entry), odd ones are burstable (shared pool).
+    Returns {"launcher", "console_script", "bare": summary (ms: n, median_ms, p99_ms, max_ms),
+    "ratio": {program: {"median", "p99"}}, "interpreter", "shared_containers", "samples"}."""
+    install = installed(lab)
+    programs = {"launcher": install.launcher, "console_script": install.console_script}
+    times: dict[str, list[float]] = {name: [] for name in (*programs, "bare")}
+    bare_argv = [str(install.python), "-c", "pass"]
+    with CgroupSandbox(lab) as box, pod_netns() as ns, PrivateJournal() as journal:
+        env = {**HOOK_ENV, "NRI_CPUPLUGIN_JOURNAL_SOCKET": journal.socket_path}
+        ns.add_veth("eth0")
+        ns.add_macvlan(host_nic().name, "net1")
+        network = [{"type": "network", "path": ns.path}]
+        args = _args(box)
         # A few shared containers that every exclusive placement has to rewrite.
         for i in range(4):
             c = box.add(pod(f"shared{i}", "burstable"), "app", millicores=250)
-            _check(_run(argv, c.state_json(), env))
-        # Warm: bytecode cache written, page cache hot.
-        for _ in range(3):
-            _run([python, "-c", "pass"], b"", env)
+            _check(_run([str(install.launcher), *args], c.state_json(), env))
         previous = None
-        for i in range(samples + 2):
+        for i in range(samples + 2):  # the first two rounds warm the page cache
             exclusive = i % 2 == 0
-            if exclusive:
-                if previous is not None:
-                    box.stop(previous)  # the runtime removed it; the hook finds it stale
-                c = box.add(pod(f"x{i}"), "work", millicores=1000, limit=1000)
-                previous = c
-            else:
-                c = box.add(pod(f"s{i}", "burstable"), "web", millicores=500)
-            bare = _run([python, "-c", "pass"], b"", env)[0]
-            took, code, err = _run(argv, c.state_json(), env)
-            _check((took, code, err))
-            if i >= 2:  # the first two runs are warm-up
-                hook_times.append(took)
-                bare_times.append(bare)
-            if not exclusive:
-                box.stop(c)
-    hook = summary(hook_times)
-    bare = summary(bare_times)
-    return {
-        "hook": hook,
-        "bare": bare,
-        "ratio_median": hook["median_ms"] / bare["median_ms"],
-        "ratio_p99": hook["p99_ms"] / bare["p99_ms"],
-        "interpreter": python,
-        "shared_containers": 4,
-        "samples": len(hook_times),
+            took = {"bare": _run(bare_argv, b"", env)[0]}
+            for name, program in programs.items():
+                if exclusive:
+                    if previous is not None:
+                        box.stop(previous)  # the runtime removed it; the hook finds it stale
+                    c = box.add(pod(f"x{i}{name[0]}"), "work", millicores=1000, limit=1000,
+                                namespaces=network)  # fmt: skip
+                    previous = c
+                else:
+                    c = box.add(pod(f"s{i}{name[0]}", "burstable"), "web", millicores=500)
+                result = _run([str(program), *args], c.state_json(), env)
+                _check(result)
+                took[name] = result[0]
+                if not exclusive:
+                    box.stop(c)
+            if i >= 2:
+                for name, value in took.items():
+                    times[name].append(value)
+    result: dict[str, Any] = {name: summary(values) for name, values in times.items()}
+    result["ratio"] = {
+        name: {
+            "median": result[name]["median_ms"] / result["bare"]["median_ms"],
+            "p99": result[name]["p99_ms"] / result["bare"]["p99_ms"],
+        }
+        for name in programs
     }
+    result.update(
+        interpreter=f"{install.python} (venv of {SYSTEM_PYTHON} {_version(install.python)})",
+        shared_containers=4,
+        samples=samples,
+    )
+    return result
+
+
+def _version(python: Path) -> str:
+    out = subprocess.run([str(python), "-V"], capture_output=True, text=True, check=False)
+    return out.stdout.strip()
 
 
 def bench_hook_contention(
@@ -127,23 +184,15 @@ def bench_hook_contention(
     [per round], "total_median_ms", "longest_lock_wait_ms", "lock_wait": summary,
     "invocation": summary, "succeeded": [per round], "refused": [per round]}.
     """
-    env = _env(lab)
+    install = installed(lab)
+    env = HOOK_ENV
     totals: list[float] = []
     waits: list[float] = []
     walls: list[float] = []
     succeeded: list[int] = []
     refused: list[int] = []
     with CgroupSandbox(lab) as box:
-        program = hook_program(box.dir / "bin")
-        argv = [
-            str(program),
-            "--state-dir",
-            str(box.state_dir),
-            "--reserved-cpus",
-            "0",
-            "createRuntime",
-        ]
-        _run([sys.executable, "-c", "pass"], b"", env)
+        argv = [str(install.launcher), *_args(box)]
         for r in range(rounds):
             containers = [
                 box.add(
@@ -212,7 +261,6 @@ def _check(result: tuple[float, int, str]) -> None:
 def main() -> None:
     """``python -m tests.bench.bench_hook [--quick]``: print both benchmarks as JSON."""
     quick = "--quick" in sys.argv
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     latency = bench_hook_latency(samples=40 if quick else 200)
     shared = bench_hook_contention(rounds=1 if quick else 3)
     exclusive = bench_hook_contention(rounds=1 if quick else 3, exclusive=True)

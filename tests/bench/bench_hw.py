@@ -11,7 +11,6 @@
 * ``bench_nic_inspection`` measures the plugin's CreateContainer handler for an exclusive
   container whose pod has a real network namespace (veth, or veth + macvlan on the host NIC),
   against the same handler for a host-network pod (no inspection), alternating.
-* ``bench_pyroute2_import`` is what the first NIC lookup costs a fresh process (the OCI hook).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import contextlib
 import select
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -220,25 +218,9 @@ def bench_nic_inspection(rounds: int = 300) -> dict:
     }
 
 
-def bench_pyroute2_import(runs: int = 10) -> dict:
-    """``import pyroute2`` in a fresh interpreter (the OCI hook pays it on its first NIC
-    lookup; the daemon once at start)."""
-    code = "import time; t = time.perf_counter(); import pyroute2; print(time.perf_counter() - t)"
-    samples = [
-        float(
-            subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, check=True, text=True
-            ).stdout
-        )
-        for _ in range(runs)
-    ]
-    return summary(samples)
-
-
 def main() -> None:
     import json
 
-    print(json.dumps({"pyroute2_import": bench_pyroute2_import()}, indent=2))
     print(json.dumps({"nic_inspection": bench_nic_inspection()}, indent=2))
     print(json.dumps({"hotplug": bench_hotplug_latency()}, indent=2))
 

@@ -77,7 +77,9 @@ class Daemon:
             self.wait_synchronized()
         return self
 
-    def wait_synchronized(self, timeout: float = 10.0) -> None:
+    def wait_synchronized(self, timeout: float = 30.0) -> None:
+        # Usually well under a second; 30 s leaves room for a machine busy with other work
+        # (the daemon imports grpc and protobuf first).
         wait_for(
             "the daemon to synchronize with containerd",
             lambda: self.new_records("synchronize"),

@@ -48,25 +48,20 @@ class RuncError(RuntimeError):
 
 
 def hook_program(directory: Path, python: Path = VENV_PYTHON) -> Path:
-    """An executable like the ``nri-cpuplugin-hook`` console script pip generates: an absolute
-    interpreter in the shebang (runtimes give hooks no PATH) and nothing else."""
+    """The hook as installed: the launcher ``nri-cpuplugin install-hook`` writes (the absolute
+    interpreter in its shebang, as runtimes give hooks no PATH; started with -I -S)."""
+    from nri_cpuplugin import hook_launcher
+
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / "nri-cpuplugin-hook"
-    program.write_text(
-        f"#!{python}\n"
-        "import sys\n"
-        "from nri_cpuplugin.hook import main\n"
-        "if __name__ == '__main__':\n"
-        "    sys.exit(main())\n"
-    )
-    program.chmod(0o755)
+    hook_launcher.install(str(program), str(python))
     return program
 
 
 def hook_env(lab: Path = debs.LAB) -> list[str]:
     """The hook's environment in tests.  Runtimes pass exactly ``hook.env``; this one only
-    points Python's bytecode cache into the lab, as an installed package has its .pyc files
-    (PYTHONDONTWRITEBYTECODE in a developer's shell would otherwise make every run compile)."""
+    points Python's bytecode cache into the lab for hooks started without -I (the launcher
+    ignores PYTHON* variables and keeps its bytecode next to the package, as installed)."""
     return [f"PYTHONPYCACHEPREFIX={lab / 'pycache'}"]
 
 

@@ -1,0 +1,87 @@
+"""The OCI hook's launcher: the program hooks/*.json names, written by ``nri-cpuplugin
+install-hook``.
+
+The runtime starts the hook once per container start and waits for it, so its start-up time
+is added to every container's.  pip's ``nri-cpuplugin-hook`` console script works, but the
+interpreter it starts first scans site-packages (``.pth`` files, sitecustomize), and pip's
+script imports ``re`` before our code runs.  The launcher starts the same interpreter with
+``-I -S`` - no site-packages scan, no ``PYTHON*`` variables, no user site - and puts only this
+package's directory on ``sys.path``: the hook needs nothing else (tests/test_hook_imports.py).
+It also skips garbage collection and the interpreter's teardown, which a process that lives a
+few milliseconds does not need (``hook.launch``).  Together ~6 ms of ~30 (docs/benchmarks.md).
+
+A shebang can hold one argument and no quoting, and older kernels read only its first 127
+bytes, so interpreter paths that would not survive that are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_PATH = "/usr/local/bin/nri-cpuplugin-hook"
+SHEBANG_LIMIT = 127  # BINPRM_BUF_SIZE - 1 before Linux 5.1
+
+
+class LauncherError(ValueError):
+    """The launcher cannot be written as asked; the message says why and what to do."""
+
+
+def package_root() -> str:
+    """The directory holding the ``nri_cpuplugin`` package (site-packages, or a checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source(python: str, root: str) -> str:
+    """The launcher's text for interpreter ``python`` and package directory ``root``."""
+    shebang = f"#!{python} -IS"
+    if not os.path.isabs(python) or any(c.isspace() for c in python):
+        raise LauncherError(
+            f"interpreter {python!r} must be an absolute path without spaces (a shebang "
+            "cannot quote); pass --python"
+        )
+    if len(shebang.encode()) > SHEBANG_LIMIT:
+        raise LauncherError(
+            f"interpreter path {python!r} is too long for a shebang ({len(shebang)} > "
+            f"{SHEBANG_LIMIT} bytes); install into a shorter path or link the interpreter"
+        )
+    return (
+        f"{shebang}\n"
+        "# The nri-cpuplugin OCI hook (hooks/*.json), written by `nri-cpuplugin install-hook`.\n"
+        "# -I -S: no site-packages scan and no PYTHON* variables; only the package below is\n"
+        "# importable besides the standard library.  See nri_cpuplugin/hook_launcher.py.\n"
+        "import gc\n"
+        "import sys\n"
+        "\n"
+        "gc.disable()  # a process of a few milliseconds: collecting would only cost time\n"
+        f"sys.path.insert(0, {root!r})\n"
+        "from nri_cpuplugin.hook import launch\n"
+        "\n"
+        "launch()\n"
+    )
+
+
+def install(path: str = DEFAULT_PATH, python: str | None = None) -> str:
+    """Write the launcher to ``path`` (mode 0755, replacing what is there - a file or the
+    symlink to pip's console script - in one rename).  Returns its text."""
+    if not os.path.isabs(path):
+        raise LauncherError(f"--path {path!r} must be absolute: hooks.d names programs absolutely")
+    text = source(python or sys.executable, package_root())
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise LauncherError(f"directory {directory} does not exist; create it or pass --path")
+    if os.path.isdir(path):
+        raise LauncherError(f"{path} is a directory; pass the launcher's file name as --path")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
+    try:
+        os.write(fd, text.encode())
+        os.fchmod(fd, 0o755)  # whatever the umask
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    return text
