@@ -1050,7 +1050,7 @@ FLAGS = ("--config", "--state-dir", "--reserved-cpus", "--sysfs", "--cgroup-root
 
 
 class UsageError(ValueError):
-    pass
+    """Bad command line; the message says which argument and what is accepted."""
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]] | None:

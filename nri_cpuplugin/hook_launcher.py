@@ -8,7 +8,7 @@ script imports ``re`` before our code runs.  The launcher starts the same interp
 ``-I -S`` - no site-packages scan, no ``PYTHON*`` variables, no user site - and puts only this
 package's directory on ``sys.path``: the hook needs nothing else (tests/test_hook_imports.py).
 It also skips garbage collection and the interpreter's teardown, which a process that lives a
-few milliseconds does not need (``hook.launch``).  Together ~6 ms of ~30 (docs/benchmarks.md).
+few milliseconds does not need (``hook.launch``).  Together ~7 ms of ~36 (docs/benchmarks.md).
 
 A shebang can hold one argument and no quoting, and older kernels read only its first 127
 bytes, so interpreter paths that would not survive that are refused with the reason.

@@ -19,7 +19,9 @@ import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
 
-from nri_cpuplugin import oci
+from nri_cpuplugin import hook, oci
+from nri_cpuplugin.config import ConfigError
+from nri_cpuplugin.cpuset import CPUSet
 from nri_cpuplugin.hook import RECORDS_DIR
 from nri_cpuplugin.policy import EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.state import NodeState
@@ -368,6 +370,59 @@ def test_hostile_record_files_are_ignored(box: CgroupSandbox, tmp_path: Path) ->
         [".hidden.json", f"{db.id}.json", f"{other.id}.json"]
     )
     assert any("unusable" in r["MESSAGE"] for r in result.records)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["createRuntime"], ("createRuntime", {})),
+        ([], (None, {})),
+        (["--state-dir", "/s", "--lock-timeout=2", "poststop"],
+         ("poststop", {"state-dir": "/s", "lock-timeout": "2"})),
+        (["--config", "-", "--sysfs=/x"], (None, {"config": "-", "sysfs": "/x"})),
+        (["--reserved-cpus", "0", "--help", "--nonsense"], None),  # help wins, nothing runs
+    ],
+)  # fmt: skip
+def test_hook_options_parse_as_documented(argv, expected) -> None:
+    assert hook.parse_args(argv) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--state_dir", "/s"], "unknown option --state_dir; options: --config, --state-dir"),
+        (["createRuntime", "--lock-timeout"], "--lock-timeout needs a value"),
+        (["createRuntime", "poststop"], "unexpected argument 'poststop': only one STAGE"),
+        (["-x"], "unknown option -x"),
+    ],
+)
+def test_bad_hook_options_are_refused_with_the_reason(argv, message) -> None:
+    with pytest.raises(hook.UsageError, match=message):
+        hook.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"reserved-cpus": "3-1"}, "--reserved-cpus: invalid cpulist '3-1'"),
+        ({"lock-timeout": "-1"}, "expected a number of seconds >= 0"),
+        ({"lock-timeout": "inf"}, "expected a number of seconds >= 0"),
+        ({"lock-timeout": "nan"}, "expected a number of seconds >= 0"),
+    ],
+)
+def test_bad_hook_option_values_are_refused_with_the_reason(values, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        hook.settings_and_options(None, values, {})
+
+
+def test_hook_flags_win_over_the_config_file(tmp_path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('reserved_cpu_count = 2\nstate_dir = "/from-file"\ncfs_quota = "keep"\n')
+    values = {"config": str(config), "reserved-cpus": "1", "lock-timeout": "0"}
+    settings, options = hook.settings_and_options("poststop", values, {hook.FAULT_ENV: "locked"})
+    assert (settings.reserved_cpus, settings.reserved_cpu_count) == (CPUSet.parse("1"), None)
+    assert (settings.state_dir, settings.cfs_quota) == ("/from-file", "keep")
+    assert (options.stage, options.lock_timeout, options.fault) == ("poststop", 0.0, "locked")
 
 
 def test_bad_configuration_fails_with_one_line_and_an_audit_record(box: CgroupSandbox) -> None:
