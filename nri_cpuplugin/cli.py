@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "install-hook",
         help="write the OCI hook's launcher (the program hooks/*.json names)",
         description="Write the program hooks/*.json runs: this interpreter started with -I -S "
-        "and only this package importable - faster than the nri-cpuplugin-hook console script "
+        "and this package's directory appended to its path - faster than the "
+        "nri-cpuplugin-hook console script "
         "(no site-packages scan), and unaffected by PYTHON* variables.  Replaces the file or "
         "symlink at PATH in one rename.",
     )

@@ -1041,8 +1041,8 @@ createRuntime, stopped -> poststop).  Also run as `nri-cpuplugin hook`.
   --reserved-cpus LIST     reserved CPUs, e.g. 0-1 (instead of the configured ones)
   --sysfs ROOT             sysfs root for the topology (/sys)
   --cgroup-root DIR        cgroup mount root (/sys/fs/cgroup; v1 or v2)
-  --lock-timeout SECONDS   longest wait for the state lock (10); keep it well below the
-                           hook's timeout
+  --lock-timeout SECONDS   longest wait for the state lock (10; 0: fail at once when it
+                           is held); keep it well below the hook's timeout
 """
 # The hook parses its few options itself: argparse and the CLI's parser cost more start-up
 # time than the rest of the hook's own code (docs/benchmarks.md, "OCI hook").
@@ -1058,17 +1058,20 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]] | None:
     stage: str | None = None
     values: dict[str, str] = {}
     args = iter(argv)
+    options = True
     for arg in args:
-        if arg in ("-h", "--help"):
+        if options and arg in ("-h", "--help"):
             return None
-        if arg.startswith("-") and arg != "-":
+        if options and arg == "--":
+            options = False  # what follows is the STAGE, even if it starts with "-"
+        elif options and arg.startswith("-") and arg != "-":
             flag, has_value, value = arg.partition("=")
             if flag not in FLAGS:
                 raise UsageError(f"unknown option {flag}; options: {', '.join(FLAGS)}")
             if not has_value:
                 value = next(args, None)
-                if value is None:
-                    raise UsageError(f"{flag} needs a value")
+                if value is None or value.startswith("--"):  # a forgotten value, not a file
+                    raise UsageError(f"{flag} needs a value ({flag}=VALUE if it starts with -)")
             values[flag[2:]] = value
         elif stage is None:
             stage = arg

@@ -28,7 +28,6 @@ import errno
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 from . import audit as audit_mod
 from . import cgroupfs
@@ -36,8 +35,10 @@ from .cpuset import CPUSet
 from .liveness import cgroup_path
 from .value import Value
 
+TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
     import socket
+    from typing import Any
 
     from .policy import Followed
 

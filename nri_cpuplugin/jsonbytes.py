@@ -3,11 +3,13 @@
 The daemon encodes and verifies the state document on every decision, where orjson is ~10x
 faster than ``json``.  The OCI hook is a new process per container start: importing orjson
 costs it ~25 ms (orjson loads datetime, uuid, dataclasses and json itself), more than all of its
-work, so the hook calls ``use_stdlib()`` first.  For what we write - objects, lists, strings,
-integers and booleans - both produce identical bytes, sorted or not, compact or indented
+work, so the hook calls ``use_stdlib()`` first (for the whole process).  For what we write -
+objects with string keys, lists, strings, 64-bit integers, booleans and null; never floats,
+whose text differs - both produce identical bytes, sorted or not, compact or indented
 (tests/test_jsonbytes.py checks this with generated documents), so a checksum one process
 wrote verifies in the other.  Reading, the standard library is held to orjson's rules: UTF-8
-only, no NaN or Infinity.
+only, no NaN or infinite numbers, no lone surrogates, and input nested too deeply is a
+DecodeError like any other bad input, never a RecursionError.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ def loads(data: bytes | str) -> Any:
             data = bytes(data).decode()
         except UnicodeDecodeError as err:
             raise DecodeError(f"not UTF-8 ({err.reason})", "", err.start) from None
-    return json.loads(data, parse_constant=_refuse_constant)
+    try:
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise DecodeError("nested too deeply", "", 0) from None
+    # Decoded UTF-8 holds no surrogates; only a \uD8xx-\uDFxx escape can make one, and
+    # json pairs those it can.  The rare document with such escapes is checked for a lone one.
+    if "\\ud" in data or "\\uD" in data:
+        _refuse_lone_surrogates(value)
+    return value
 
 
 def dumps(value: Any, *, sort_keys: bool = False, indent: bool = False) -> bytes:
@@ -63,3 +73,26 @@ def dumps(value: Any, *, sort_keys: bool = False, indent: bool = False) -> bytes
 
 def _refuse_constant(name: str) -> Any:
     raise DecodeError(f"{name} is not JSON", name, 0)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise DecodeError(f"number {text} is infinite as a double", text, 0)
+    return value
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise DecodeError("a lone surrogate escape (not UTF-8 text)", "", 0) from None

@@ -183,9 +183,10 @@ def netlink_socket(netns: str | None) -> socket.socket:
     def enter() -> None:
         # setns(CLONE_NEWNET) changes only this thread, which ends right after: even if going
         # back failed, no other thread of the process would ever run in the pod's namespace.
-        libc = _libc()
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        own = -1
         try:
+            libc = _libc()
+            own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             if libc.setns(ns_fd, CLONE_NEWNET) != 0:
                 code = _errno()
                 result["error"] = NICError(
@@ -202,8 +203,9 @@ def netlink_socket(netns: str | None) -> socket.socket:
         except BaseException as err:  # whatever happens, the caller hears of it
             result["error"] = err
         finally:
-            os.close(own)
-            done.release()
+            if own >= 0:
+                os.close(own)
+            done.release()  # always: the caller is waiting for it
 
     done = _thread.allocate_lock()
     done.acquire()

@@ -35,7 +35,11 @@ class Value:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # (Not inspect.get_annotations: importing inspect is half of what this module saves.)
-        annotations = cls.__dict__.get("__annotations__", {})  # noqa: RUF063
+        # Strings in the class namespace with ``from __future__ import annotations``, as in
+        # every module here; Python >= 3.14 without it computes them on first access.
+        annotations = cls.__dict__.get("__annotations__")  # noqa: RUF063
+        if annotations is None:
+            annotations = cls.__annotations__ if "__annotate__" in cls.__dict__ else {}
         own = [
             name
             for name, annotation in annotations.items()

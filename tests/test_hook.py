@@ -381,6 +381,7 @@ def test_hostile_record_files_are_ignored(box: CgroupSandbox, tmp_path: Path) ->
          ("poststop", {"state-dir": "/s", "lock-timeout": "2"})),
         (["--config", "-", "--sysfs=/x"], (None, {"config": "-", "sysfs": "/x"})),
         (["--reserved-cpus", "0", "--help", "--nonsense"], None),  # help wins, nothing runs
+        (["--config=--odd", "--", "createRuntime"], ("createRuntime", {"config": "--odd"})),
     ],
 )  # fmt: skip
 def test_hook_options_parse_as_documented(argv, expected) -> None:
@@ -392,6 +393,8 @@ def test_hook_options_parse_as_documented(argv, expected) -> None:
     [
         (["--state_dir", "/s"], "unknown option --state_dir; options: --config, --state-dir"),
         (["createRuntime", "--lock-timeout"], "--lock-timeout needs a value"),
+        (["--config", "--help", "createRuntime"], "--config needs a value"),
+        (["--", "createRuntime", "poststop"], "unexpected argument 'poststop'"),
         (["createRuntime", "poststop"], "unexpected argument 'poststop': only one STAGE"),
         (["-x"], "unknown option -x"),
     ],

@@ -72,6 +72,12 @@ def test_a_state_written_by_one_verifies_in_the_other(monkeypatch):
     assert decode(slow) == state
 
 
+def test_paired_surrogate_escapes_are_one_character_in_both(monkeypatch):
+    data = b'{"emoji": "\\ud83d\\ude00", "plain": "\\u00e9"}'
+    with stdlib(monkeypatch):
+        assert jsonbytes.loads(data) == orjson.loads(data) == {"emoji": "\U0001f600", "plain": "é"}
+
+
 @pytest.mark.parametrize(
     "data, why",
     [
@@ -80,6 +86,10 @@ def test_a_state_written_by_one_verifies_in_the_other(monkeypatch):
         (b'{"a": "\xff"}', "UTF-8"),
         (b'{"a": 1', ""),
         (b"", ""),
+        (b'{"a": 1e400}', "infinite"),
+        (b'{"a": ["\\ud800"]}', "lone surrogate"),
+        (b'{"\\udc00": 1}', "lone surrogate"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
     ],
 )
 def test_both_decoders_refuse_the_same_input(monkeypatch, data, why):

@@ -5,6 +5,8 @@ machines."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import random
 
 import pytest
@@ -185,6 +187,20 @@ def test_strict_locality_fails_when_the_nics_cannot_be_inspected(tmp_path):
     assert not (tmp_path / "no-such-netns").exists()  # opened without O_CREAT: nothing made
     with pytest.raises(PolicyError, match="not a network namespace"):
         nic.locality("/proc/self/ns/pid", {nic.LOCALITY_ANNOTATION: "strict"}, "c", "/sys")
+
+
+def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
+    """Whatever fails in the thread that enters the namespace (here: no file descriptor left
+    for ctypes), the caller is released with the reason and every descriptor is closed."""
+
+    def no_fds():
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(nic, "_libc", no_fds)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(nic.NICError, match="Too many open files"):
+        nic.netlink_socket("/proc/self/ns/net")
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_strict_locality_fails_when_a_named_interface_is_missing(tmp_path, lower):
