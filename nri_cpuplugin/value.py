@@ -5,7 +5,8 @@ Why not ``dataclasses``: it writes each class's methods as source text and compi
 the class is defined - about 1 ms per class here, plus ~10 ms to import ``dataclasses`` and
 ``inspect``.  The OCI hook is a new process per container start and defines ~20 such classes,
 which cost more than everything else it does (docs/benchmarks.md, "OCI hook").  ``Value``
-gives the same behaviour from one set of generic methods:
+gives the same behaviour from one set of generic methods (the NRI transport, ``nri/``, which
+the hook never loads, keeps its dataclasses):
 
     class Released(Value):
         cpus: CPUSet
