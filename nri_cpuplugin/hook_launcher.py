@@ -9,7 +9,8 @@ script imports ``re`` before our code runs.  The launcher starts the same interp
 no user site - and appends the directory holding this package to ``sys.path``, after the
 standard library as ``site`` would: the hook needs nothing else (tests/test_hook_imports.py).
 It also skips garbage collection and the interpreter's teardown, which a process that lives a
-few milliseconds does not need (``hook.launch``).  Together ~7 ms of ~36 (docs/benchmarks.md).
+few milliseconds does not need (``hook.launch``).  Together a fifth of the hook's time
+(docs/benchmarks.md compares the launcher with the console script).
 
 A shebang can hold one argument and no quoting, and older kernels read only its first 127
 bytes, so interpreter paths that would not survive that are refused with the reason.
