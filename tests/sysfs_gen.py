@@ -210,7 +210,7 @@ def hex_mask(cpus: Iterable[int], nbits: int) -> str:
 
 
 class _Writer:
-    """Creates each directory once: on a disk-backed /tmp a file costs ~0.3 ms, so a 256-CPU
+    """Creates each directory once: on a disk-backed temp dir a file costs ~0.3 ms, so a 256-CPU
     tree (~8000 files) is worth not doubling with mkdir calls."""
 
     def __init__(self) -> None:

@@ -290,8 +290,8 @@ HOSTILE = {
     "pid-negative": _state(pid=-5),
     "pid-string": _state(pid="12"),
     "bundle-relative": _state(bundle="relative/dir"),
-    "bundle-dotdot": _state(bundle="/tmp/../etc"),
-    "bundle-nul": _state(bundle="/tmp/a\u0000b"),
+    "bundle-dotdot": _state(bundle="/run/containers/../../etc"),
+    "bundle-nul": _state(bundle="/run/containers/a\u0000b"),
     "bundle-missing": _state(bundle="/nonexistent/bundle"),
 }
 

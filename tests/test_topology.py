@@ -33,7 +33,7 @@ class Machine:
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Trees shared by the tests of this module: on tmpfs when possible (a 256-CPU tree is
-    ~8000 files, seconds on a disk-backed /tmp)."""
+    ~8000 files, seconds on a disk-backed temp dir)."""
     fast = scratch_dir()
     if fast is None:
         yield tmp_path_factory.mktemp("sysfs")

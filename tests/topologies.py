@@ -133,7 +133,7 @@ def build(name_or_spec: str | MachineSpec, tmp_path: Path) -> tuple[Path, Topolo
 
 def scratch_dir() -> str | None:
     """A tmpfs directory for throw-away trees when there is a roomy one (/dev/shm), else None
-    (the system temp dir).  On a disk-backed /tmp each file costs ~0.3 ms; on tmpfs ~0.01 ms."""
+    (the system temp dir).  On a disk-backed temp dir each file costs ~0.3 ms; on tmpfs ~0.01 ms."""
     shm = "/dev/shm"
     try:
         if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 512 << 20:

@@ -24,6 +24,7 @@ from e2e.daemon import Daemon  # noqa: E402
 from harness.containerd import Containerd  # noqa: E402
 from harness.k8s import ContainerSpec, PodSpec  # noqa: E402
 
+from .scratch import scratch  # noqa: E402
 from .stats import summary  # noqa: E402
 
 
@@ -289,7 +290,7 @@ def bench_audit_cost(rounds: int = 400) -> dict:
     from .bench_nri import realistic_container, realistic_pod
 
     samples: dict[str, list[float]] = {"journald": [], "off": []}
-    with PrivateJournal() as journal, tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+    with PrivateJournal() as journal, scratch() as tmp:
         plugins = {}
         for side in samples:
             audit = Audit(JournalSink(journal.socket_path))

@@ -35,6 +35,7 @@ from harness.containerd import Containerd  # noqa: E402
 from harness.k8s import ContainerSpec  # noqa: E402
 from netns_util import host_nic, pod_netns  # noqa: E402
 
+from .scratch import scratch  # noqa: E402
 from .stats import summary  # noqa: E402
 
 CPU = 1
@@ -173,7 +174,7 @@ def bench_nic_inspection(rounds: int = 300) -> dict:
     samples: dict[str, list[float]] = {"host_network": [], "veth": [], "veth_macvlan": []}
     lookups: dict[str, list[float]] = {"veth": [], "veth_macvlan": []}
     with ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(dir="/var/tmp"))
+        tmp = stack.enter_context(scratch())
         veth = stack.enter_context(pod_netns())
         veth.add_veth("eth0")
         both = stack.enter_context(pod_netns())

@@ -12,6 +12,7 @@ from nri_cpuplugin.nri import connection as wire
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.nri.stub import Stub
 
+from .scratch import scratch
 from .stats import summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,7 +141,7 @@ def bench_plugin_handlers(rounds: int = 500) -> dict:
     from nri_cpuplugin.plugin import CPUPlugin
 
     samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+    with scratch() as tmp:
         plugin = CPUPlugin(Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None))
         asyncio.run(plugin.configure("", "bench", "v0"))
         burstable = realistic_pod(1)

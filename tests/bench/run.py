@@ -18,6 +18,7 @@ sys.path.insert(0, str(TESTS))
 
 from topologies import topology  # noqa: E402
 
+from . import scratch  # noqa: E402
 from .bench_e2e import (  # noqa: E402
     bench_audit_cost,
     bench_cold_start,
@@ -60,7 +61,7 @@ def _ms(value: float) -> str:
 def section_foundation(quick: bool) -> list[str]:
     big = topology("bench-2s-256t-8numa")
     decisions = bench_decisions(big, rounds=500 if quick else 5000)
-    commit = bench_commit(n_assignments=200, repeats=60 if quick else 500, directory="/var/tmp")
+    commit = bench_commit(n_assignments=200, repeats=60 if quick else 500, directory=scratch.root())
     churn = churn_quality(topology("epyc-1s-4numa"), steps=2000 if quick else 10_000)
     lines = [
         "## Foundation (issue 2)",
@@ -89,8 +90,8 @@ def section_foundation(quick: bool) -> list[str]:
         "### State commit latency",
         "",
         f"Durable commit (encode, write temp, fsync, rename, fsync dir) of a state with "
-        f"{commit['n_assignments']} assignments ({commit['size_bytes']} bytes) in /var/tmp "
-        f"({commit['filesystem']}).",
+        f"{commit['n_assignments']} assignments ({commit['size_bytes']} bytes) in the lab "
+        f"directory on the checkout's disk ({commit['filesystem']}).",
         "",
         "| part | median | p99 |",
         "|---|---|---|",
@@ -184,8 +185,8 @@ def section_plugin(quick: bool) -> list[str]:
         "## The CPU plugin end to end (issue 4)",
         "",
         "The plugin's own handlers, in process, on this machine's topology (reserved CPU 0, "
-        "exclusive CPU 1, one shared neighbour to update), state committed with fsync to "
-        "/var/tmp before each reply:",
+        "exclusive CPU 1, one shared neighbour to update), state committed with fsync (to the "
+        "checkout's disk) before each reply:",
         "",
         "| handler | samples | median | p99 |",
         "|---|---|---|---|",

@@ -37,7 +37,8 @@ from .cri import CRIClient, CRIError
 from .packages import CONTAINERD_17, CONTAINERD_21, RUNC
 
 VERSIONS = {"1.7": CONTAINERD_17, "2.1": CONTAINERD_21}
-# Unix socket paths are limited to 108 bytes; beyond this we move our sockets to /tmp.
+# Unix socket paths are limited to 108 bytes; beyond this our sockets go to a directory we
+# create under the system temp dir (TMPDIR).
 _MAX_SOCKET_PATH = 100
 _MNT_DETACH = 2
 # Shim sockets cannot be configured away from here (runtime-lab §3.4).
