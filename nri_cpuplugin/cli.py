@@ -12,7 +12,15 @@ from pathlib import Path
 
 from . import jsonbytes
 from .allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
-from .config import DEFAULT_STATE_DIR, LOG_LEVELS, ConfigError, Settings, load_file, merge
+from .config import (
+    DEFAULT_STATE_DIR,
+    LOG_LEVELS,
+    ConfigError,
+    Settings,
+    base_settings,
+    flag_overrides,
+    merge,
+)
 from .cpuset import CPUSet
 from .hook_launcher import DEFAULT_PATH as DEFAULT_HOOK_PATH
 from .policy import PolicyError
@@ -96,21 +104,14 @@ def cmd_allocate(args: argparse.Namespace) -> int:
 
 def _settings_from_args(args: argparse.Namespace) -> tuple[Settings, dict]:
     """(defaults + config file, flag overrides): flags win over the file and the runtime."""
-    base = merge(Settings(), load_file(args.config)) if args.config else Settings()
-    flags = {}
-    for flag, field in (
-        ("socket", "nri_socket"),
-        ("state_dir", "state_dir"),
-        ("reserved_cpus", "reserved_cpus"),
-        ("sysfs", "sysfs"),
-        ("log_level", "log_level"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            flags[field] = value
-    if "reserved_cpus" in flags:
-        flags["reserved_cpu_count"] = None
-    return base, flags
+    flags = flag_overrides(
+        nri_socket=args.socket,
+        state_dir=args.state_dir,
+        reserved_cpus=args.reserved_cpus,
+        sysfs=args.sysfs,
+        log_level=args.log_level,
+    )
+    return base_settings(args.config), flags
 
 
 def cmd_run(args: argparse.Namespace) -> int:

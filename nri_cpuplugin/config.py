@@ -102,6 +102,20 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return parse_toml(text, str(path))
 
 
+def base_settings(config_file: str | None) -> Settings:
+    """The defaults, then the TOML file when one is given."""
+    return merge(Settings(), load_file(config_file)) if config_file else Settings()
+
+
+def flag_overrides(**values: Any) -> dict[str, Any]:
+    """Command-line overrides (Settings field -> value; None: not given), applied last.  A
+    reserved CPU list given on the command line replaces a configured count."""
+    flags = {field: value for field, value in values.items() if value is not None}
+    if "reserved_cpus" in flags:
+        flags["reserved_cpu_count"] = None
+    return flags
+
+
 def merge(base: Settings, *layers: Mapping[str, Any]) -> Settings:
     """Apply override layers in order; the result is checked as a whole."""
     settings = base

@@ -39,9 +39,9 @@ import time
 from collections.abc import Iterator, Mapping
 
 from . import cgroupfs, jsonbytes, oci
-from .audit import DEBUG, ERR, INFO, WARNING, Audit
+from .audit import DEBUG, ERR, WARNING, Audit
 from .cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
-from .config import ConfigError, Settings, load_file, merge
+from .config import ConfigError, Settings, base_settings, flag_overrides, merge
 from .cpuset import CPUSet
 from .policy import (
     EXCLUSIVE_ANNOTATION,
@@ -737,28 +737,11 @@ class Hook:
             )
         for error in repairs.errors:
             audit.record("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
-        if decision is None or workload is None or locality is None or not decision.exclusive:
-            return
-        nodes = locality.nodes
-        if nodes:
-            verdict = (
-                "honoured" if decision.mems <= nodes else "not honoured: too few free CPUs there"
-            )
-            message = f"placement on NUMA {decision.mems} {verdict}"
-        else:
-            verdict, message = "no preference", "nothing to honour"
-        audit.record(
-            "nic-locality",
-            f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}: "
-            f"{locality.note}; {message}",
-            INFO if locality.nics or nodes else DEBUG,
-            nic_numa=nodes,
-            nics="; ".join(n.describe() for n in locality.nics),
-            honoured=verdict.split(":")[0],
-            cpus=decision.cpus,
-            mems=decision.mems,
-            **workload.identity(),
-        )
+        exclusive = decision is not None and decision.exclusive
+        if exclusive and workload is not None and locality is not None:
+            from . import nic  # loaded already: it produced ``locality``
+
+            nic.audit_placement(audit, decision, workload, locality)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -1084,19 +1067,15 @@ def settings_and_options(
     stage: str | None, values: Mapping[str, str], environ: Mapping[str, str]
 ) -> tuple[Settings, Options]:
     """Defaults, then the config file, then the flags (flags win)."""
-    config = values.get("config")
-    base = merge(Settings(), load_file(config)) if config else Settings()
-    flags: dict[str, Any] = {}
-    if "state-dir" in values:
-        flags["state_dir"] = values["state-dir"]
-    if "sysfs" in values:
-        flags["sysfs"] = values["sysfs"]
+    reserved = None
     if "reserved-cpus" in values:
         try:
-            flags["reserved_cpus"] = CPUSet.parse(values["reserved-cpus"])
+            reserved = CPUSet.parse(values["reserved-cpus"])
         except ValueError as err:
             raise ConfigError(f"--reserved-cpus: {err}") from None
-        flags["reserved_cpu_count"] = None
+    flags = flag_overrides(
+        state_dir=values.get("state-dir"), sysfs=values.get("sysfs"), reserved_cpus=reserved
+    )
     lock_timeout = DEFAULT_LOCK_TIMEOUT
     if "lock-timeout" in values:
         try:
@@ -1113,7 +1092,7 @@ def settings_and_options(
         lock_timeout=lock_timeout,
         fault=environ.get(FAULT_ENV) or None,
     )
-    return merge(base, flags), options
+    return merge(base_settings(values.get("config")), flags), options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,15 +35,21 @@ import os
 from collections.abc import Iterable, Mapping
 
 from . import rtnetlink
+from .audit import DEBUG, INFO
 from .cpuset import CPUSet
 from .policy import NICPreference, PolicyError
 from .topology import Topology
 from .value import Value
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
-if TYPE_CHECKING:  # socket and threading are imported when a namespace is inspected
+if TYPE_CHECKING:
+    # socket and threading are imported when a namespace is inspected
     import socket
     from typing import Any
+
+    from .audit import Audit
+    from .policy import Decision
+    from .workload import Workload
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
@@ -463,4 +469,29 @@ def locality(
         NICPreference(nodes, strict, described),
         tuple(nics),
         f"NICs on NUMA {nodes}{' (strict)' if strict else ''}: {'; '.join(described)}",
+    )
+
+
+def audit_placement(
+    audit: Audit, decision: Decision, workload: Workload, locality: Locality
+) -> None:
+    """The ``nic-locality`` audit record of an exclusive placement: where the pod's NICs are
+    and whether the CPUs chosen are next to them (daemon and hook alike)."""
+    nodes = locality.nodes
+    if nodes:
+        verdict = "honoured" if decision.mems <= nodes else "not honoured: too few free CPUs there"
+        message = f"placement on NUMA {decision.mems} {verdict}"
+    else:
+        verdict, message = "no preference", "nothing to honour"
+    audit.record(
+        "nic-locality",
+        f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}: "
+        f"{locality.note}; {message}",
+        INFO if locality.nics or nodes else DEBUG,
+        nic_numa=nodes,
+        nics="; ".join(n.describe() for n in locality.nics),
+        honoured=verdict.split(":")[0],
+        cpus=decision.cpus,
+        mems=decision.mems,
+        **workload.identity(),
     )

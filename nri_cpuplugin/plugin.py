@@ -252,7 +252,7 @@ class CPUPlugin:
             self.metrics.pinning_request()
         self._audit_decision(decision, workload)
         if decision.exclusive and locality is not None:
-            self._audit_locality(decision, workload, locality)
+            nic.audit_placement(self.audit, decision, workload, locality)
         adjust = pb.ContainerAdjustment()
         self._fill_cpu(adjust.linux.resources.cpu, decision.cpus, decision.mems, decision.exclusive)
         updates = []
@@ -313,30 +313,6 @@ class CPUPlugin:
             workload.container_name,
             self.settings.sysfs,
             self.policy.topology,
-        )
-
-    def _audit_locality(
-        self, decision: Decision, workload: Workload, locality: nic.Locality
-    ) -> None:
-        nodes = locality.nodes
-        if nodes:
-            honoured = decision.mems <= nodes
-            verdict = "honoured" if honoured else "not honoured: too few free CPUs there"
-            message = f"placement on NUMA {decision.mems} {verdict}"
-        else:
-            verdict = "no preference"
-            message = "nothing to honour"
-        self.audit.record(
-            "nic-locality",
-            f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}: "
-            f"{locality.note}; {message}",
-            audit_mod.INFO if locality.nics or nodes else audit_mod.DEBUG,
-            nic_numa=nodes,
-            nics="; ".join(n.describe() for n in locality.nics),
-            honoured=verdict.split(":")[0],
-            cpus=decision.cpus,
-            mems=decision.mems,
-            **workload.identity(),
         )
 
     # --- CPU hotplug ----------------------------------------------------------------------------

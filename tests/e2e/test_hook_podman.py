@@ -10,7 +10,6 @@ A runtime that cannot start fails the test with the reason; nothing here skips.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from harness import runc as runc_harness
 from harness.podman import Podman
 from harness.runc import hook_env, hook_program, kubernetes_annotations, pod
 
+from e2e.ready import ready_or_fail
 from nri_cpuplugin.store import StateStore
 
 HOOKS = Path(__file__).resolve().parents[2] / "hooks"
@@ -74,16 +74,11 @@ def hooks_dir(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture
 def pm(hooks_dir: tuple[Path, Path]) -> Iterator[Podman]:
-    if os.geteuid() != 0:
-        pytest.fail("podman e2e tests need root", pytrace=False)
-    if len(CPUS) < 2:
-        pytest.fail(f"needs at least 2 online CPUs, have {CPUS}", pytrace=False)
-    try:
-        podman_harness.prepare()
-    except Exception as e:
-        pytest.fail(f"preparing podman from the bookworm debs failed: {e}", pytrace=False)
-    if stale := podman_harness.reap_stale() + runc_harness.reap_stale():
-        pytest.fail("leftovers of an earlier run could not be removed:\n" + "\n".join(stale))
+    ready_or_fail(
+        "podman from the bookworm debs",
+        podman_harness.prepare,
+        lambda: podman_harness.reap_stale() + runc_harness.reap_stale(),
+    )
     instance = Podman(hooks_dir[0], debs.LAB)
     try:
         instance.start()

@@ -21,6 +21,7 @@ from harness import host
 from harness import runc as runc_harness
 from harness.runc import Runc, RuncContainer, pod
 
+from e2e.ready import ready_or_fail
 from nri_cpuplugin.hook import FAULT_ENV
 from nri_cpuplugin.state import NodeState
 from nri_cpuplugin.store import StateStore
@@ -33,16 +34,7 @@ RESERVED = "0"
 
 @pytest.fixture(scope="module")
 def hook_lab() -> Path:
-    if os.geteuid() != 0:
-        pytest.fail("runc e2e tests need root", pytrace=False)
-    if len(CPUS) < 2:
-        pytest.fail(f"needs at least 2 online CPUs, have {CPUS}", pytrace=False)
-    try:
-        runc_harness.prepare()
-    except Exception as e:
-        pytest.fail(f"preparing runc and the busybox rootfs failed: {e}", pytrace=False)
-    if stale := runc_harness.reap_stale():
-        pytest.fail("leftovers of an earlier run could not be removed:\n" + "\n".join(stale))
+    ready_or_fail("runc and the busybox rootfs", runc_harness.prepare, runc_harness.reap_stale)
     return runc_harness.debs.LAB
 
 
