@@ -10,9 +10,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import jsonbytes
-from .allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
-from .config import (
+from .base import jsonbytes
+from .core.allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
+from .core.cpuset import CPUSet
+from .core.policy import PolicyError
+from .core.topology import DEFAULT_SYSFS, Topology, TopologyError, discover
+from .hook.launcher import DEFAULT_PATH as DEFAULT_HOOK_PATH
+from .ops.config import (
     DEFAULT_STATE_DIR,
     LOG_LEVELS,
     ConfigError,
@@ -21,10 +25,6 @@ from .config import (
     flag_overrides,
     merge,
 )
-from .cpuset import CPUSet
-from .hook_launcher import DEFAULT_PATH as DEFAULT_HOOK_PATH
-from .policy import PolicyError
-from .topology import DEFAULT_SYSFS, Topology, TopologyError, discover
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
@@ -120,9 +120,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .audit import Audit
+    from .daemon.plugin import CPUPlugin
     from .nri.stub import Stub
-    from .plugin import CPUPlugin
+    from .ops.audit import Audit
 
     base, flags = _settings_from_args(args)
     settings = merge(base, flags)
@@ -156,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_install_hook(args: argparse.Namespace) -> int:
-    from .hook_launcher import LauncherError, install
+    from .hook.launcher import LauncherError, install
 
     try:
         install(args.path, args.python)
@@ -169,7 +169,7 @@ def cmd_install_hook(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import render_text, snapshot
+    from .ops.status import render_text, snapshot
 
     report = snapshot(args.state_dir, args.sysfs)
     if args.json:
@@ -256,9 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["hook"]:
         # The hook starts once per container: it parses its own few options rather than pay
         # for this parser, and imports only what it needs (tests/test_hook_imports.py).
-        from . import hook
+        from .hook import entry
 
-        return hook.main(argv[1:])
+        return entry.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

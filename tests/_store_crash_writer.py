@@ -31,9 +31,9 @@ import uuid
 # forking, like everything else the writers run.
 import filelock  # noqa: F401
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.state import Assignment, NodeState
-from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.state import Assignment, NodeState
+from nri_cpuplugin.storage.store import StateStore
 
 N_CPUS = 256
 RESERVED = CPUSet({0, 1})

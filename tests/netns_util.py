@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nri_cpuplugin import nic
+from nri_cpuplugin.hardware import nic
 
 NETNS_DIR = Path("/var/run/netns")
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.topology import CPUInfo, Topology
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.topology import CPUInfo, Topology
 
 __all__ = [
     "MachineSpec",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from topologies import topology
 
-from nri_cpuplugin.allocator import (
+from nri_cpuplugin.core.allocator import (
     ALIGN_BY_SOCKET,
     DISTRIBUTE_ACROSS_CORES,
     DISTRIBUTE_ACROSS_NUMA,
@@ -20,7 +20,7 @@ from nri_cpuplugin.allocator import (
     reserve_by_count,
     validate_options,
 )
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
 
 P = CPUSet.parse
 

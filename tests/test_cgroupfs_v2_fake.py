@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nri_cpuplugin import cgroupfs
-from nri_cpuplugin.cgroupfs import CgroupError, CgroupFS, Transaction
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.hardware import cgroupfs
+from nri_cpuplugin.hardware.cgroupfs import CgroupError, CgroupFS, Transaction
 
 C = CPUSet.parse
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from topologies import build
 
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
 
 CLI = [sys.executable, "-m", "nri_cpuplugin.cli"]
 

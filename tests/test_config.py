@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nri_cpuplugin.config import ConfigError, Settings, load_file, merge, parse_toml
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.ops.config import ConfigError, Settings, load_file, merge, parse_toml
 
 
 def test_all_keys_parse():

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nri_cpuplugin.cpuset import MAX_CPU_ID, CPUSet
+from nri_cpuplugin.core.cpuset import MAX_CPU_ID, CPUSet
 
 # input -> canonical output
 EXAMPLES = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nri_cpuplugin.config import KNOWN_KEYS, Settings
-from nri_cpuplugin.metrics import Metrics
+from nri_cpuplugin.ops.config import KNOWN_KEYS, Settings
+from nri_cpuplugin.ops.metrics import Metrics
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operator-guide.md"
 

@@ -7,9 +7,9 @@ import orjson
 import pytest
 from topologies import topology
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.policy import NICPreference, PolicyError, StaticPolicy
-from nri_cpuplugin.state import (
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
+from nri_cpuplugin.core.state import (
     Assignment,
     NodeState,
     StateFormatError,
@@ -18,8 +18,8 @@ from nri_cpuplugin.state import (
     encode,
     to_document,
 )
-from nri_cpuplugin.topology import Topology
-from nri_cpuplugin.workload import GUARANTEED, Workload
+from nri_cpuplugin.core.topology import Topology
+from nri_cpuplugin.core.workload import GUARANTEED, Workload
 
 P = CPUSet.parse
 _ids = iter(range(10**6))
@@ -233,7 +233,7 @@ def test_inconsistent_hotplug_fields_are_refused(change, message):
 
 
 def test_the_store_accepts_any_layout_when_the_caller_repairs_it(tmp_path):
-    from nri_cpuplugin.store import Expected, StateStore
+    from nri_cpuplugin.storage.store import Expected, StateStore
 
     policy = StaticPolicy(SMALL, P("0"))
     _, state = policy.admit(policy.empty_state(), wl(2))

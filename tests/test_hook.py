@@ -19,13 +19,14 @@ import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
 
-from nri_cpuplugin import hook, oci
-from nri_cpuplugin.config import ConfigError
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.hook import RECORDS_DIR
-from nri_cpuplugin.policy import EXCLUSIVE_ANNOTATION
-from nri_cpuplugin.state import NodeState
-from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION
+from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.hook import oci
+from nri_cpuplugin.hook.entry import RECORDS_DIR
+from nri_cpuplugin.ops.config import ConfigError
+from nri_cpuplugin.storage.store import StateStore
 
 ALL = f"0-{host.online_cpus()[-1]}"
 LAST = str(host.online_cpus()[-1])
@@ -246,7 +247,7 @@ def test_hook_waits_for_the_lock_then_proceeds(box: CgroupSandbox) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, time; from nri_cpuplugin.store import StateStore\n"
+            "import sys, time; from nri_cpuplugin.storage.store import StateStore\n"
             f"with StateStore({str(box.state_dir)!r}).locked():\n"
             "    print('held', flush=True); time.sleep(2.0)",
         ],

@@ -21,10 +21,10 @@ from harness.runc import CgroupSandbox, pod, sandbox
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 from sysfs_gen import MachineSpec, write_fake_device, write_sysfs
 
-from nri_cpuplugin import nic
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.state import NodeState
-from nri_cpuplugin.store import QUARANTINE_PREFIX, StateStore
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.storage.store import QUARANTINE_PREFIX, StateStore
 
 
 @pytest.fixture

@@ -17,13 +17,14 @@ import pytest
 from test_cgroupfs_v2_fake import FakeV2
 from topologies import build
 
-from nri_cpuplugin import hook, oci
-from nri_cpuplugin.audit import Audit
-from nri_cpuplugin.config import Settings
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.workload import from_nri
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.hook import oci
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.store import StateStore
-from nri_cpuplugin.workload import from_nri
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+from nri_cpuplugin.storage.store import StateStore
 
 
 class Node:

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from sysfs_gen import MachineSpec, write_sysfs
 
-from nri_cpuplugin import cgroupfs, hotplug
-from nri_cpuplugin.audit import Audit
-from nri_cpuplugin.config import Settings
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.hardware import cgroupfs, hotplug
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.plugin import CPUPlugin
-from nri_cpuplugin.status import render_text, snapshot
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+from nri_cpuplugin.ops.status import render_text, snapshot
 
 P = CPUSet.parse
 SPEC = MachineSpec(name="hotplug-8", sockets=2, cores_per_socket=4, threads_per_core=1)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nri_cpuplugin import jsonbytes
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.state import Assignment, NodeState, Released, decode, encode
+from nri_cpuplugin.base import jsonbytes
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.state import Assignment, NodeState, Released, decode, encode
 
 # Everything but lone surrogates (neither encoder writes those: not UTF-8).
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)

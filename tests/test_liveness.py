@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nri_cpuplugin.liveness import Liveness, cgroup_path
+from nri_cpuplugin.hardware.liveness import Liveness, cgroup_path
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,15 @@ from netns_util import host_nic, leftover_test_namespaces, pod_netns
 from sysfs_gen import write_fake_device
 from topologies import build, topology
 
-from nri_cpuplugin import nic
-from nri_cpuplugin.audit import Audit
-from nri_cpuplugin.config import Settings
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
+from nri_cpuplugin.core.workload import GUARANTEED, Workload
+from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.hardware import nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.plugin import CPUPlugin
-from nri_cpuplugin.policy import NICPreference, PolicyError, StaticPolicy
-from nri_cpuplugin.status import snapshot
-from nri_cpuplugin.workload import GUARANTEED, Workload
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+from nri_cpuplugin.ops.status import snapshot
 
 P = CPUSet.parse
 TWO_NODES = "xeon-e5-2680v3-2s"  # 48 CPUs, NUMA 0 and 1

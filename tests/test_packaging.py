@@ -36,9 +36,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from nri_cpuplugin import audit
 from nri_cpuplugin.cli import build_parser
-from nri_cpuplugin.config import (
+from nri_cpuplugin.core.topology import discover
+from nri_cpuplugin.ops import audit
+from nri_cpuplugin.ops.config import (
     DEFAULT_STATE_DIR,
     ConfigError,
     Settings,
@@ -46,7 +47,6 @@ from nri_cpuplugin.config import (
     merge,
     parse_toml,
 )
-from nri_cpuplugin.topology import discover
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGING = REPO / "packaging"

@@ -8,12 +8,12 @@ import json
 import pytest
 from topologies import build
 
-from nri_cpuplugin.audit import Audit
-from nri_cpuplugin.config import ConfigError, Settings
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import PolicyError
+from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.plugin import CPUPlugin
-from nri_cpuplugin.policy import PolicyError
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import ConfigError, Settings
 
 P = CPUSet.parse
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from topologies import topology
 
-from nri_cpuplugin.allocator import STRICT_CPU_RESERVATION
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.policy import (
+from nri_cpuplugin.core.allocator import STRICT_CPU_RESERVATION
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import (
     EXCLUSIVE_ANNOTATION,
     ISOLATED_ANNOTATION,
     PolicyError,
     StaticPolicy,
 )
-from nri_cpuplugin.workload import BESTEFFORT, BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.workload import BESTEFFORT, BURSTABLE, GUARANTEED, Workload
 
 P = CPUSet.parse
 _ids = iter(range(10**6))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from topologies import topology
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.policy import EXCLUSIVE_ANNOTATION, StaticPolicy
-from nri_cpuplugin.reconcile import LiveContainer, reconcile
-from nri_cpuplugin.workload import BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION, StaticPolicy
+from nri_cpuplugin.core.reconcile import LiveContainer, reconcile
+from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
 
 P = CPUSet.parse
 

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 
-from nri_cpuplugin import nic, rtnetlink
+from nri_cpuplugin.hardware import nic, rtnetlink
 
 
 @pytest.fixture(autouse=True)

@@ -23,10 +23,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from nri_cpuplugin import store as store_module
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.state import Assignment, NodeState, checksum, encode, to_document
-from nri_cpuplugin.store import (
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.state import Assignment, NodeState, checksum, encode, to_document
+from nri_cpuplugin.storage import store as store_module
+from nri_cpuplugin.storage.store import (
     QUARANTINE_KEEP,
     CommitTiming,
     Expected,
@@ -473,7 +473,7 @@ def test_failed_commit_removes_temp_and_keeps_old_state(state_dir: Path, monkeyp
 def _hold_lock_in_subprocess(state_dir: Path) -> subprocess.Popen:
     code = (
         "import sys\n"
-        "from nri_cpuplugin.store import StateStore\n"
+        "from nri_cpuplugin.storage.store import StateStore\n"
         "with StateStore(sys.argv[1]).locked():\n"
         "    print('held', flush=True)\n"
         "    sys.stdin.read()\n"
@@ -600,7 +600,7 @@ def test_lock_excludes_another_process(state_dir: Path) -> None:
     with store.locked():
         code = (
             "import sys\n"
-            "from nri_cpuplugin.store import StateStore, StateLockTimeout\n"
+            "from nri_cpuplugin.storage.store import StateStore, StateLockTimeout\n"
             "try:\n"
             "    with StateStore(sys.argv[1]).locked(timeout=0.1): print('acquired')\n"
             "except StateLockTimeout: print('timeout')\n"

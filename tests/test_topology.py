@@ -19,8 +19,8 @@ import pytest
 from sysfs_gen import MachineSpec, expected_topology, hex_mask, write_sysfs
 from topologies import NAMED, build, scratch_dir, spec_of, topology
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.topology import Topology, TopologyError, discover
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.topology import Topology, TopologyError, discover
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from functools import cached_property
 
 import pytest
 
-from nri_cpuplugin.value import Value
+from nri_cpuplugin.base.value import Value
 
 
 class Point(Value):

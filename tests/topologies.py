@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sysfs_gen import MachineSpec, expected_topology, write_sysfs
 
-from nri_cpuplugin.topology import Topology, discover
+from nri_cpuplugin.core.topology import Topology, discover
 
 __all__ = ["NAMED", "build", "expected", "scratch_dir", "spec_of", "topology"]
 

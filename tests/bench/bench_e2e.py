@@ -283,9 +283,9 @@ def bench_audit_cost(rounds: int = 400) -> dict:
     their own state directories, calls alternating."""
     from harness.journald import PrivateJournal
 
-    from nri_cpuplugin.audit import Audit, JournalSink
-    from nri_cpuplugin.config import Settings
-    from nri_cpuplugin.plugin import CPUPlugin
+    from nri_cpuplugin.daemon.plugin import CPUPlugin
+    from nri_cpuplugin.ops.audit import Audit, JournalSink
+    from nri_cpuplugin.ops.config import Settings
 
     from .bench_nri import realistic_container, realistic_pod
 

@@ -150,11 +150,11 @@ def bench_hotplug_latency(cycles: int = 20) -> dict:
 def bench_nic_inspection(rounds: int = 300) -> dict:
     """The CreateContainer handler of an exclusive container: pod with its own netns (veth;
     veth + macvlan on the host NIC) vs a host-network pod (no inspection), alternating."""
-    from nri_cpuplugin import nic
-    from nri_cpuplugin.audit import Audit
-    from nri_cpuplugin.config import Settings
+    from nri_cpuplugin.daemon.plugin import CPUPlugin
+    from nri_cpuplugin.hardware import nic
     from nri_cpuplugin.nri.pb import nri_pb2 as pb
-    from nri_cpuplugin.plugin import CPUPlugin
+    from nri_cpuplugin.ops.audit import Audit
+    from nri_cpuplugin.ops.config import Settings
 
     def pod(name: str, netns: str | None) -> pb.PodSandbox:
         sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="b")

@@ -136,9 +136,9 @@ def bench_plugin_handlers(rounds: int = 500) -> dict:
     """The CPU plugin's own CreateContainer and StopContainer handlers (policy, durable state
     commit with fsync, audit record, reply), on this machine's topology, with one shared
     neighbour to update each time."""
-    from nri_cpuplugin.audit import Audit
-    from nri_cpuplugin.config import Settings
-    from nri_cpuplugin.plugin import CPUPlugin
+    from nri_cpuplugin.daemon.plugin import CPUPlugin
+    from nri_cpuplugin.ops.audit import Audit
+    from nri_cpuplugin.ops.config import Settings
 
     samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
     with scratch() as tmp:

@@ -7,10 +7,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from nri_cpuplugin.allocator import Allocator
-from nri_cpuplugin.policy import StaticPolicy
-from nri_cpuplugin.topology import Topology
-from nri_cpuplugin.workload import GUARANTEED, Workload
+from nri_cpuplugin.core.allocator import Allocator
+from nri_cpuplugin.core.policy import StaticPolicy
+from nri_cpuplugin.core.topology import Topology
+from nri_cpuplugin.core.workload import GUARANTEED, Workload
 
 from .kubelet_order import kubelet_take
 from .stats import summary

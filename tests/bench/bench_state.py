@@ -14,9 +14,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.state import Assignment, NodeState
-from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.state import Assignment, NodeState
+from nri_cpuplugin.storage.store import StateStore
 
 from .stats import summary
 

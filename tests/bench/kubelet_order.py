@@ -13,8 +13,8 @@ the comparison is meant to show.  Benchmark-only code; not used by the plugin.
 
 from __future__ import annotations
 
-from nri_cpuplugin.cpuset import CPUSet
-from nri_cpuplugin.topology import Topology
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.topology import Topology
 
 
 def kubelet_take(topology: Topology, available: frozenset[int], count: int) -> CPUSet:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness import host
 
-from nri_cpuplugin.cpuset import CPUSet
+from nri_cpuplugin.core.cpuset import CPUSet
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
 
 from e2e.daemon import Daemon, wait_for
-from nri_cpuplugin.audit import JournalSink, encode_journal_entry
+from nri_cpuplugin.ops.audit import JournalSink, encode_journal_entry
 
 
 @pytest.fixture

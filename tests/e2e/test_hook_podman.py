@@ -21,7 +21,7 @@ from harness.podman import Podman
 from harness.runc import hook_env, hook_program, kubernetes_annotations, pod
 
 from e2e.ready import ready_or_fail
-from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.storage.store import StateStore
 
 HOOKS = Path(__file__).resolve().parents[2] / "hooks"
 CPUS = host.online_cpus()

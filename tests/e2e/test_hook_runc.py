@@ -22,9 +22,9 @@ from harness import runc as runc_harness
 from harness.runc import Runc, RuncContainer, pod
 
 from e2e.ready import ready_or_fail
-from nri_cpuplugin.hook import FAULT_ENV
-from nri_cpuplugin.state import NodeState
-from nri_cpuplugin.store import StateStore
+from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.hook.entry import FAULT_ENV
+from nri_cpuplugin.storage.store import StateStore
 
 CPUS = host.online_cpus()
 ALL = f"0-{CPUS[-1]}"

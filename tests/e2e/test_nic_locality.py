@@ -26,7 +26,7 @@ from netns_util import host_nic
 from sysfs_gen import MachineSpec, write_fake_device, write_sysfs
 
 from e2e.daemon import REPO, Daemon, check_agreement
-from nri_cpuplugin import nic
+from nri_cpuplugin.hardware import nic
 
 PLUGIN = Path(__file__).with_name("cni_test_plugin.py")
 CRI_RUNTIME_PLUGIN = {"1.7": "io.containerd.grpc.v1.cri", "2.1": "io.containerd.cri.v1.runtime"}

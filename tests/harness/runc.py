@@ -50,7 +50,7 @@ class RuncError(RuntimeError):
 def hook_program(directory: Path, python: Path = VENV_PYTHON) -> Path:
     """The hook as installed: the launcher ``nri-cpuplugin install-hook`` writes (the absolute
     interpreter in its shebang, as runtimes give hooks no PATH; started with -I -S)."""
-    from nri_cpuplugin import hook_launcher
+    from nri_cpuplugin.hook import launcher as hook_launcher
 
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / "nri-cpuplugin-hook"
@@ -317,7 +317,7 @@ class CgroupSandbox:
     def problems(self, placed: Sequence[FakeContainer]) -> list[str]:
         """Where the state file, the hook's records and the live cgroups disagree.  ``placed``:
         the running containers the hook was (successfully) run for."""
-        from nri_cpuplugin.store import StateStore
+        from nri_cpuplugin.storage.store import StateStore
 
         result = StateStore(self.state_dir).peek()
         if result.state is None:

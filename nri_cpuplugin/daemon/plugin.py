@@ -24,20 +24,20 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import audit as audit_mod
-from . import cgroupfs, hotplug, nic
-from .audit import Audit
-from .config import Settings, merge, parse_toml
-from .cpuset import CPUSet
-from .liveness import Liveness
-from .metrics import Metrics, NoMetrics
-from .nri.pb import nri_pb2 as pb
-from .policy import Decision, Followed, PolicyError, StaticPolicy
-from .reconcile import LiveContainer, reconcile
-from .state import NodeState
-from .store import Expected, StateStore
-from .topology import TopologyError, discover
-from .workload import Workload, from_nri
+from ..core.cpuset import CPUSet
+from ..core.policy import Decision, Followed, PolicyError, StaticPolicy
+from ..core.reconcile import LiveContainer, reconcile
+from ..core.state import NodeState
+from ..core.topology import TopologyError, discover
+from ..core.workload import Workload, from_nri
+from ..hardware import cgroupfs, hotplug, nic
+from ..hardware.liveness import Liveness
+from ..nri.pb import nri_pb2 as pb
+from ..ops import audit as audit_mod
+from ..ops.audit import Audit
+from ..ops.config import Settings, merge, parse_toml
+from ..ops.metrics import Metrics, NoMetrics
+from ..storage.store import Expected, StateStore
 
 log = logging.getLogger("nri_cpuplugin")
 

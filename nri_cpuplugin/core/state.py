@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from types import MappingProxyType
 
-from . import jsonbytes
+from ..base import jsonbytes
 
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - other versions
         from _sha2 import sha256  # CPython >= 3.12
     except ImportError:
         from hashlib import sha256
+from ..base.value import Value
 from .cpuset import CPUSet
-from .value import Value
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:

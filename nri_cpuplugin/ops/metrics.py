@@ -17,8 +17,8 @@ import asyncio
 import logging
 from typing import Any
 
-from .state import NodeState
-from .topology import Topology
+from ..core.state import NodeState
+from ..core.topology import Topology
 
 log = logging.getLogger("nri_cpuplugin")
 PREFIX = "nri_cpuplugin"

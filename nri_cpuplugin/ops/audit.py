@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import jsonbytes
+from ..base import jsonbytes
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cpuset import CPUSet
-from .store import StateStore
-from .topology import TopologyError, discover
+from ..core.cpuset import CPUSet
+from ..core.topology import TopologyError, discover
+from ..storage.store import StateStore
 
 
 def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:

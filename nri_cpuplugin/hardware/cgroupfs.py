@@ -24,8 +24,8 @@ import contextlib
 import errno
 import os
 
-from .cpuset import CPUSet
-from .value import Value
+from ..base.value import Value
+from ..core.cpuset import CPUSet
 
 DEFAULT_ROOT = "/sys/fs/cgroup"
 V1, V2 = 1, 2

@@ -29,9 +29,9 @@ import stat
 import time
 from collections.abc import Iterator
 
-from .cpuset import CPUSet
-from .state import NodeState, StateFormatError, decode, encode
-from .value import Value
+from ..base.value import Value
+from ..core.cpuset import CPUSet
+from ..core.state import NodeState, StateFormatError, decode, encode
 
 STATE_FILE = "state.json"
 LOCK_FILE = "state.lock"

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..base.value import Value
 from .cpuset import CPUSet
 from .policy import PolicyError, StaticPolicy
 from .state import NodeState
-from .value import Value
 from .workload import Workload
 
 

@@ -29,18 +29,18 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from . import audit as audit_mod
+from ..base.value import Value
+from ..core.cpuset import CPUSet
+from ..ops import audit as audit_mod
 from . import cgroupfs
-from .cpuset import CPUSet
 from .liveness import cgroup_path
-from .value import Value
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
     import socket
     from typing import Any
 
-    from .policy import Followed
+    from ..core.policy import Followed
 
 KERNEL_GROUP = 1  # uevents as the kernel sends them (2 would be udevd's re-broadcast)
 RCVBUF = 1 << 20  # a burst (SMT switched off offlines half the CPUs at once) must fit

@@ -14,9 +14,9 @@ import re
 import stat
 from collections.abc import Mapping
 
-from . import jsonbytes
-from .value import Value
-from .workload import (
+from ..base import jsonbytes
+from ..base.value import Value
+from ..core.workload import (
     BESTEFFORT,
     Workload,
     millicores_from_quota,

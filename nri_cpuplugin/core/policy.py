@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from ..base.value import Value
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import CPUSet
 from .state import Assignment, NodeState, Released
 from .topology import Topology
-from .value import Value
 from .workload import GUARANTEED, Workload
 
 POLICY_NAME = "static"

@@ -32,7 +32,8 @@ class LauncherError(ValueError):
 
 def package_root() -> str:
     """The directory holding the ``nri_cpuplugin`` package (site-packages, or a checkout)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # This file is nri_cpuplugin/hook/launcher.py: three levels below that directory.
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def source(python: str, root: str) -> str:
@@ -52,13 +53,13 @@ def source(python: str, root: str) -> str:
         f"{shebang}\n"
         "# The nri-cpuplugin OCI hook (hooks/*.json), written by `nri-cpuplugin install-hook`.\n"
         "# -I -S: no site-packages scan (.pth files) and no PYTHON* variables; the directory\n"
-        "# below comes after the standard library.  See nri_cpuplugin/hook_launcher.py.\n"
+        "# below comes after the standard library.  See nri_cpuplugin/hook/launcher.py.\n"
         "import gc\n"
         "import sys\n"
         "\n"
         "gc.disable()  # a process of a few milliseconds: collecting would only cost time\n"
         f"sys.path.append({root!r})\n"
-        "from nri_cpuplugin.hook import launch\n"
+        "from nri_cpuplugin.hook.entry import launch\n"
         "\n"
         "launch()\n"
     )

@@ -12,9 +12,9 @@ import os
 import re
 from collections.abc import Mapping
 
-from .allocator import OptionError, validate_options
-from .cpuset import CPUSet
-from .value import Value
+from ..base.value import Value
+from ..core.allocator import OptionError, validate_options
+from ..core.cpuset import CPUSet
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from .value import Value
+from ..base.value import Value
 
 GUARANTEED = "guaranteed"
 BURSTABLE = "burstable"

@@ -15,8 +15,8 @@ import os
 from collections import defaultdict
 from functools import cached_property
 
+from ..base.value import Value
 from .cpuset import MAX_CPU_ID, CPUSet
-from .value import Value
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:

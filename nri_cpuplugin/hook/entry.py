@@ -38,12 +38,10 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 
-from . import cgroupfs, jsonbytes, oci
-from .audit import DEBUG, ERR, WARNING, Audit
-from .cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
-from .config import ConfigError, Settings, base_settings, flag_overrides, merge
-from .cpuset import CPUSet
-from .policy import (
+from ..base import jsonbytes
+from ..base.value import Value
+from ..core.cpuset import CPUSet
+from ..core.policy import (
     EXCLUSIVE_ANNOTATION,
     ISOLATED_ANNOTATION,
     Decision,
@@ -51,18 +49,22 @@ from .policy import (
     PolicyError,
     StaticPolicy,
 )
-from .reconcile import LiveContainer, reconcile
-from .state import NodeState
-from .store import Expected, StateLockTimeout, StateStore
-from .topology import Topology, TopologyError, discover
-from .value import Value
-from .workload import Workload
+from ..core.reconcile import LiveContainer, reconcile
+from ..core.state import NodeState
+from ..core.topology import Topology, TopologyError, discover
+from ..core.workload import Workload
+from ..hardware import cgroupfs
+from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
+from ..ops.audit import DEBUG, ERR, WARNING, Audit
+from ..ops.config import ConfigError, Settings, base_settings, flag_overrides, merge
+from ..storage.store import Expected, StateLockTimeout, StateStore
+from . import oci
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:  # nic and hotplug are imported when they are needed (see _nic_locality)
     from typing import Any, BinaryIO, TextIO
 
-    from .nic import Locality
+    from ..hardware.nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
 FAULT_STEPS = (
@@ -658,7 +660,7 @@ class Hook:
         try:
             if policy.eligibility(workload)[0] is None:
                 return None
-            from . import nic
+            from ..hardware import nic
 
             return nic.locality(
                 nic.netns_path(config.namespaces),
@@ -676,7 +678,7 @@ class Hook:
         later ones may use CPUs that came back."""
         if view.followed is None or fs.layout.version != cgroupfs.V1:
             return []
-        from . import hotplug
+        from ..hardware import hotplug
 
         paths = sorted({r.cgroups.cpuset for r in view.records.values()})
         return hotplug.grow_ancestors(fs.layout, paths, policy.topology.online)
@@ -691,7 +693,7 @@ class Hook:
         cids = set(view.evicted) | (set(targets) if view.followed is not None else set())
         if not cids:
             return repairs
-        from . import hotplug
+        from ..hardware import hotplug
 
         for cid in sorted(cids & targets.keys()):
             try:
@@ -715,7 +717,7 @@ class Hook:
     ) -> None:
         audit = self.audit
         if view.followed is not None and view.loaded is not None:
-            from . import hotplug
+            from ..hardware import hotplug
 
             stored, followed = view.followed
             audit.record(
@@ -739,7 +741,7 @@ class Hook:
             audit.record("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
         exclusive = decision is not None and decision.exclusive
         if exclusive and workload is not None and locality is not None:
-            from . import nic  # loaded already: it produced ``locality``
+            from ..hardware import nic  # loaded already: it produced ``locality``
 
             nic.audit_placement(audit, decision, workload, locality)
 

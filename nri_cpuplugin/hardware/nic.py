@@ -34,12 +34,12 @@ import errno
 import os
 from collections.abc import Iterable, Mapping
 
+from ..base.value import Value
+from ..core.cpuset import CPUSet
+from ..core.policy import NICPreference, PolicyError
+from ..core.topology import Topology
+from ..ops.audit import DEBUG, INFO
 from . import rtnetlink
-from .audit import DEBUG, INFO
-from .cpuset import CPUSet
-from .policy import NICPreference, PolicyError
-from .topology import Topology
-from .value import Value
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     import socket
     from typing import Any
 
-    from .audit import Audit
-    from .policy import Decision
-    from .workload import Workload
+    from ..core.policy import Decision
+    from ..core.workload import Workload
+    from ..ops.audit import Audit
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
