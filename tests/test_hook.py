@@ -24,7 +24,7 @@ from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.state import NodeState
 from nri_cpuplugin.hook import entry as hook
 from nri_cpuplugin.hook import oci
-from nri_cpuplugin.hook.entry import RECORDS_DIR
+from nri_cpuplugin.hook.records import RECORDS_DIR
 from nri_cpuplugin.ops.config import ConfigError
 from nri_cpuplugin.storage.store import StateStore
 

@@ -18,9 +18,10 @@ from test_cgroupfs_v2_fake import FakeV2
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.core.workload import from_nri
 from nri_cpuplugin.hook import entry as hook
-from nri_cpuplugin.hook import oci
+from nri_cpuplugin.hook import oci, topology_cache
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
@@ -240,14 +241,19 @@ def test_identity_from_containerd_cri_annotations() -> None:
 def test_topology_is_cached_per_boot_and_cpu_sets(tmp_path: Path) -> None:
     root, expected = build("xeon-e5-2680v3-2s", tmp_path)
     state_dir = str(tmp_path / "state")
-    assert hook.cached_topology(str(root), state_dir) == expected
+    dir_fd = StateStore(state_dir).open_dir()
+
+    def cached_topology(sysfs: str, state_dir: str) -> Topology:
+        return topology_cache.cached_topology(sysfs, state_dir, dir_fd)
+
+    assert cached_topology(str(root), state_dir) == expected
     # A change discover() would see, but not one that can happen without the online, present
     # or isolated sets changing: the cache answers.
     cpu_dir = root / "devices/system/cpu"
     (cpu_dir / "cpu1/topology/physical_package_id").write_text("1\n")
-    assert hook.cached_topology(str(root), state_dir) == expected
+    assert cached_topology(str(root), state_dir) == expected
     (cpu_dir / "isolated").write_text("47\n")  # now the key differs: discovered again
-    fresh = hook.cached_topology(str(root), state_dir)
+    fresh = cached_topology(str(root), state_dir)
     assert fresh.by_id[1].socket == 1 and fresh.isolated == CPUSet({47})
     (tmp_path / "state" / hook.TOPOLOGY_CACHE).write_text('{"key": "torn')
-    assert hook.cached_topology(str(root), state_dir) == fresh
+    assert cached_topology(str(root), state_dir) == fresh

@@ -31,6 +31,7 @@ from nri_cpuplugin.storage.store import (
     CommitTiming,
     Expected,
     LoadResult,
+    StateDirError,
     StateLockTimeout,
     StateStore,
 )
@@ -263,7 +264,7 @@ def test_state_dir_is_a_file(tmp_path: Path) -> None:
     for result in (store.load(), store.peek()):
         assert result.state is None and result.quarantined is None
         assert "is not a directory" in result.problem
-    with pytest.raises(NotADirectoryError, match="exists but is not a directory"):
+    with pytest.raises(StateDirError, match="exists but is not a directory"):
         commit(store, make_state())
     assert not_a_dir.read_text() == "hello"
 
@@ -335,7 +336,8 @@ def test_unreadable_file(state_dir: Path, monkeypatch) -> None:
     real_open = os.open
 
     def deny(path, *args, **kwargs):
-        if os.fspath(path) == str(store.state_path):
+        # Opened by name relative to the state directory's handle.
+        if os.fspath(path) == "state.json" and kwargs.get("dir_fd") is not None:
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real_open(path, *args, **kwargs)
 

@@ -32,23 +32,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..base.value import Value
+from . import annotation
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import CPUSet
+from .errors import PolicyError
 from .state import Assignment, NodeState, Released
 from .topology import Topology
 from .workload import GUARANTEED, Workload
 
 POLICY_NAME = "static"
 
-# "false" opts a container out of exclusive CPUs.  Pod-wide, or per container with the suffix
-# "/container.<name>", which wins over the pod-wide value.
-EXCLUSIVE_ANNOTATION = "exclusive-cpus.nri-cpuplugin.io"
-# "true" asks that an eligible container's exclusive CPUs come from the isolated CPUs.
-ISOLATED_ANNOTATION = "isolated-cpus.nri-cpuplugin.io"
-
-
-class PolicyError(Exception):
-    """A request that cannot be met; the message is shown to whoever created the container."""
+# Kept under these names for callers that predate core/annotations.py.
+EXCLUSIVE_ANNOTATION = annotation.EXCLUSIVE
+ISOLATED_ANNOTATION = annotation.ISOLATED
 
 
 class NICPreference(Value):
@@ -555,16 +551,4 @@ def _describe(workload: Workload) -> str:
 
 
 def _annotation_flag(workload: Workload, key: str) -> bool | None:
-    """The container-specific value wins over the pod-wide one; anything but true/false is an
-    error the pod author must see rather than a silent guess."""
-    annotations: Mapping[str, str] = workload.annotations
-    for name in (f"{key}/container.{workload.container_name}", key):
-        if name in annotations:
-            value = annotations[name].strip().lower()
-            if value in ("true", "false"):
-                return value == "true"
-            raise PolicyError(
-                f"annotation {name}={annotations[name]!r} on {_describe(workload)}: "
-                "expected 'true' or 'false'"
-            )
-    return None
+    return annotation.flag(workload.annotations, key, workload.container_name, _describe(workload))

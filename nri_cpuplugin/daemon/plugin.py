@@ -1,4 +1,4 @@
-"""The NRI CPU plugin: runtime events -> policy decisions -> committed state -> cpusets.
+"""The NRI front end: runtime events -> engine outcomes -> committed state -> NRI replies.
 
 Every decision is committed to the state file *before* the reply leaves, so a crash can lose
 a reply but never a decision; and every reply that moves CPUs carries the updates for all
@@ -25,8 +25,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
-from ..core.policy import Decision, Followed, PolicyError, StaticPolicy
-from ..core.reconcile import LiveContainer, reconcile
+from ..core.engine import CFS_PERIOD_US, Engine, Outcome, Target
+from ..core.policy import PolicyError, StaticPolicy
+from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.topology import TopologyError, discover
 from ..core.workload import Workload, from_nri
@@ -45,7 +46,6 @@ LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNIN
 # The runtime gives us 2 s per request by default; waiting longer on the lock than this would
 # turn a refusal into a timeout, and a timeout starts the container unpinned.
 LOCK_TIMEOUT = 1.0
-CFS_PERIOD_US = 100_000  # kubelet's period: the quota of a degraded container is count * this
 # cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
 # repaired it: look again this long after an offline event (bounded; nothing runs when idle).
 EVICTION_RECHECKS = (0.1, 0.5, 2.0)
@@ -53,7 +53,8 @@ EVICTION_RECHECKS = (0.1, 0.5, 2.0)
 
 class CPUPlugin:
     """Handlers for nri.stub.Stub.  ``settings`` are defaults + file; ``flags`` win over both
-    the file and the runtime's config string."""
+    the file and the runtime's config string.  Every decision is the engine's
+    (core/engine.py); this class turns events into engine calls and outcomes into replies."""
 
     def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
         self.file_settings = settings
@@ -79,15 +80,20 @@ class CPUPlugin:
 
     def _build(self, settings: Settings) -> None:
         topology = discover(settings.sysfs)
-        self.policy = StaticPolicy.from_config(
+        policy = StaticPolicy.from_config(
             topology,
             settings.reserved_cpus,
             settings.effective_reserved_count,
             settings.policy_options,
         )
         self.settings = settings
+        self.engine = Engine(policy, settings.cfs_quota)
         self.store = StateStore(settings.state_dir, lock_timeout=LOCK_TIMEOUT)
         self.state = None  # loaded by load_state(), under the lock
+
+    @property
+    def policy(self) -> StaticPolicy:
+        return self.engine.policy
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -95,65 +101,30 @@ class CPUPlugin:
         """Read the state file; anything unusable is set aside and we start from empty (the
         runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
         policy = self.policy
-        repaired: Followed | None = None
-        kept = False  # the stored state was used (not set aside)
         with self.store.locked(timeout=-1):
-            # Any CPU layout is accepted: a changed online set is repaired in place below.
             result = self.store.load(Expected(policy.name, None, policy.reserved))
-            state = result.state
-            problem = result.problem
-            if state is not None and state.fingerprint != policy.topology.fingerprint():
-                stored = state.fingerprint
-                repaired = policy.follow_online(state)
-                state = repaired.state
-                self.audit.record(
-                    "state-repair",
-                    f"the online CPUs changed while nothing ran ({stored} -> "
-                    f"{state.fingerprint}): assignments kept on CPUs still online, "
-                    f"{len(repaired.changes)} containers changed",
-                    audit_mod.WARNING,
-                    reason="online set changed",
-                )
-            if state is not None:
-                problem = policy.check(state)
-                if problem is not None:
-                    self.store.set_aside()
-                    state = None
-            if state is None:
-                if result.quarantined is not None or problem != result.problem:
-                    self.audit.record(
-                        "state-rebuild",
-                        f"state file set aside, rebuilding from the runtime: {problem}",
-                        audit_mod.WARNING,
-                        reason=problem,
-                    )
-                else:
-                    self.audit.record("state-new", f"starting with empty state ({problem})")
-                state = policy.empty_state()
-            else:
-                state = policy.normalized(state)
-                kept = True
-                self.audit.record(
-                    "state-loaded",
-                    f"state loaded: {len(state.assignments)} exclusive assignments",
-                    shared_cpus=state.shared,
-                )
-            self.store.commit(state)
-        self.state = state
+            loaded = self.engine.load(result.state, result.problem, result.quarantined)
+            if loaded.set_aside:
+                self.store.set_aside()
+            self.store.commit(loaded.state)
+        self.audit.emit(loaded.events)
+        state = self.state = loaded.state
         self.unverified = set(state.assignments) | set(state.sharing)
-        if repaired is not None and kept:
-            self._audit_hotplug(repaired)
+        if loaded.followed is not None and loaded.trusted:
             # Repair the containers we know now (containerd 1.7 sends a launched plugin no
             # Synchronize), and again at Synchronize for those only the runtime knows.
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
 
-    def _commit(self, new_state: NodeState) -> None:
+    def _commit(self, outcome: Outcome) -> Outcome:
+        """Commit the outcome's state (the caller holds the lock) before anything is applied."""
+        new_state = outcome.state
         if new_state is not self.state:
             timing = self.store.commit(new_state)
             self.state = new_state
             self.metrics.observe_commit(timing.total_seconds)
             self.metrics.observe_state(new_state, self.policy.topology)
+        return outcome
 
     # --- metrics -------------------------------------------------------------------------------
 
@@ -208,11 +179,11 @@ class CPUPlugin:
                 continue
             live.append(LiveContainer(from_nri(pod, container), _cpus(container)))
         with self.store.locked():
-            result = reconcile(self.policy, self.state, live, [pod.uid for pod in pods])
-            self._commit(result.state)
+            outcome = self._commit(
+                self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
+            )
         self.unverified.clear()
-        for note in result.notes:
-            self.audit.record("reconcile", note, reason="synchronize")
+        self.audit.emit(outcome.events)
         self.audit.record(
             "synchronize",
             f"synchronized {len(live)} live containers: {len(self.state.assignments)} exclusive, "
@@ -224,77 +195,69 @@ class CPUPlugin:
             # these updates (ancestors lack the returning CPUs), so write them first.
             self._cgroups_stale = False
             self._repair_cgroups([c.workload.container_id for c in live])
-        updates = [self._update_for(c.workload.container_id) for c in live]
-        return updates
+        return [self._update(t) for t in outcome.targets]
 
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         workload = from_nri(pod, container)
-        before = self.state.shared
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
             locality = self._nic_locality(pod, workload)
             with self.store.locked():
                 self._forget_ended()
-                decision, new_state = self.policy.admit(
-                    self.state, workload, locality.preference if locality else None
+                outcome = self._commit(
+                    self.engine.create(
+                        self.state,
+                        workload,
+                        locality.preference if locality else None,
+                        locality.note if locality else None,
+                    )
                 )
-                self._commit(new_state)
         except PolicyError as err:
             self.metrics.pinning_request()
             self.metrics.pinning_error()
-            self.audit.record(
-                "refuse", str(err), audit_mod.ERR, reason=str(err), **workload.identity()
-            )
+            self.audit.emit([self.engine.refused(workload, err)])
             raise
-        if decision.exclusive:
+        if outcome.decision is not None and outcome.decision.exclusive:
             self.metrics.pinning_request()
-        self._audit_decision(decision, workload)
-        if decision.exclusive and locality is not None:
-            nic.audit_placement(self.audit, decision, workload, locality)
+        self.audit.emit(outcome.events)
+        mine, *siblings = outcome.targets
         adjust = pb.ContainerAdjustment()
-        self._fill_cpu(adjust.linux.resources.cpu, decision.cpus, decision.mems, decision.exclusive)
-        updates = []
-        if decision.shared_after != before:
-            updates = self._sibling_updates(exclude=workload.container_id)
-        return adjust, updates
+        _fill(adjust.linux.resources.cpu, mine)
+        return adjust, [self._update(t) for t in siblings]
 
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
         """Someone (kubelet, an operator) updates resources: keep our cpuset in force."""
-        cid = container.id
-        if cid not in self.state.assignments and cid not in self.state.sharing:
-            return []  # not a container we place
-        update = self._update_for(cid)
-        update.ignore_failure = False
-        return [update]
+        outcome = self.engine.update(self.state, container.id)
+        return [self._update(t, ignore_failure=False) for t in outcome.targets]
 
     def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
-        before = self.state.shared
         with self.store.locked():
-            self._forget_ended()
-        self._release(container.id, pod)
-        if self.state.shared == before:
-            return []
-        return self._sibling_updates(exclude=container.id)
+            ended = self._forget_ended()
+            outcome = self._commit(self.engine.stop(self.state, container.id))
+        self.audit.emit(outcome.events)
+        # Siblings of containers found ended hear about the pool in the same reply.
+        targets = {t.container_id: t for t in (*ended.targets, *outcome.targets)}
+        return [self._update(t) for cid, t in targets.items() if cid != container.id]
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
         # and the siblings hear about it right after this event.
-        decision = self._release(container.id, pod)
-        if decision is not None and decision.shared_changed:
-            self._push_sibling_updates()
+        with self.store.locked():
+            outcome = self._commit(self.engine.stop(self.state, container.id))
+        self.audit.emit(outcome.events)
+        self._push(outcome.targets)
 
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         with self.store.locked():
-            before = self.state.shared
-            self._commit(self.policy.forget_pod(self.state, pod.uid))
-        if self.state.shared != before:
-            self._push_sibling_updates()
+            outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
+        self.audit.emit(outcome.events)
+        self._push(outcome.targets)
 
     def connection_lost(self) -> None:
         self.metrics.set_connected(False)
@@ -359,7 +322,7 @@ class CPUPlugin:
     def _follow_online(self, events: list[hotplug.CPUEvent]) -> None:
         received = min(e.received for e in events)
         what = ", ".join(f"CPU {e.cpu} {e.action}" if e.cpu >= 0 else e.action for e in events)
-        old = self.policy
+        old = self.engine
         try:
             topology = discover(self.settings.sysfs)
             if topology.fingerprint() == old.topology.fingerprint():
@@ -367,7 +330,10 @@ class CPUPlugin:
                     "hotplug", f"{what}: no change in {self.settings.sysfs}", audit_mod.DEBUG
                 )
                 return
-            policy = StaticPolicy(topology, old.reserved, old.options)
+            engine = Engine(
+                StaticPolicy(topology, old.policy.reserved, old.policy.options),
+                self.settings.cfs_quota,
+            )
         except (TopologyError, PolicyError) as err:
             self.audit.record(
                 "hotplug",
@@ -376,7 +342,7 @@ class CPUPlugin:
                 reason=str(err),
             )
             return
-        self.policy = policy
+        self.engine = engine
         went = old.topology.online - topology.online
         came = topology.online - old.topology.online
         self.audit.record(
@@ -390,29 +356,21 @@ class CPUPlugin:
             return  # not loaded yet: load_state() repairs against this topology
         before = self.state
         with self.store.locked():
-            followed = policy.follow_online(self.state, previous=old.topology)
-            self._commit(followed.state)
-        self._audit_hotplug(followed)
-        after = self.state
-        tracked = set(after.assignments) | set(after.sharing)
-        changed = sorted(
-            cid for cid in tracked if self._cpuset_of(before, cid) != self._cpuset_of(after, cid)
-        )
+            outcome = self._commit(engine.follow(self.state, old.policy))
+        self.audit.emit(outcome.events)
+        changed = [t.container_id for t in outcome.targets]
         errors = self._repair_cgroups(changed, grow=came)
         applied = time.monotonic()
         self.audit.record(
             "hotplug-applied",
             f"{len(changed)} containers' cpusets written {(applied - received) * 1000:.1f} ms "
-            f"after the uevent ({len(errors)} failed); shared pool {after.shared}",
+            f"after the uevent ({len(errors)} failed); shared pool {self.state.shared}",
             latency_ms=f"{(applied - received) * 1000:.2f}",
             containers=len(changed),
-            shared_cpus=after.shared,
+            shared_cpus=self.state.shared,
         )
-        if changed and self.stub is not None:
-            self.stub.schedule_update_containers(
-                [self._update_for(cid) for cid in changed], self._updates_done
-            )
-        emptied = [cid for cid in changed if self._cpuset_of(before, cid) <= went]
+        self._push(outcome.targets)
+        emptied = [cid for cid in changed if StaticPolicy.cpuset_for(before, cid) <= went]
         if went and emptied:
             self._schedule_eviction_rechecks(emptied)
 
@@ -436,18 +394,14 @@ class CPUPlugin:
             path = state.cgroups.get(cid)
             if not path:
                 continue  # the runtime's update is all we can do
-            held = state.assignments.get(cid)
-            mems = self.policy.topology.numa_of(held.cpus) if held and held.cpus else None
-            targets.append(hotplug.Target(cid, path, self._cpuset_of(state, cid), mems))
+            target = self.engine.target(state, cid)
+            targets.append(hotplug.Target(cid, path, target.cpus, target.mems))
+        returned: dict[str, int] = {}
         if targets and layout is not None:
             applied = hotplug.apply(layout, targets, self.proc)
             errors += applied.errors
-            for cid, moved in applied.returned.items():
-                self._audit_returned(cid, moved)
-        for error in errors:
-            self.audit.record(
-                "cgroup-repair", f"cpuset repair failed: {error}", audit_mod.WARNING, reason=error
-            )
+            returned = applied.returned
+        hotplug.audit_repairs(self.audit, returned, errors)
         return errors
 
     def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
@@ -475,94 +429,42 @@ class CPUPlugin:
                 with contextlib.suppress(cgroupfs.CgroupError):
                     moved = hotplug.return_evicted_tasks(fs, hotplug.cgroup_path(path), self.proc)
                     if moved:
-                        self._audit_returned(cid, moved)
-
-    def _audit_returned(self, cid: str, moved: int) -> None:
-        self.audit.record(
-            "cgroup-repair",
-            f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup v1 "
-            "had moved them out when the cpuset lost its last CPU)",
-            container_id=cid,
-            processes=moved,
-        )
-
-    def _audit_hotplug(self, followed: Followed) -> None:
-        hotplug.audit_changes(self.audit, followed)
+                        hotplug.audit_repairs(self.audit, {cid: moved}, [])
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _forget_ended(self) -> None:
+    def _forget_ended(self) -> Outcome:
         """Release unverified containers whose cgroups show they have ended (see liveness.py);
         the caller holds the lock."""
         state = self.state
+        ended = []
         for cid in sorted(self.unverified):
             if cid not in state.assignments and cid not in state.sharing:
                 self.unverified.discard(cid)
             elif self.liveness.alive(state.cgroups.get(cid, "")) is False:
                 self.unverified.discard(cid)
-                decision, state = self.policy.release(state, cid)
-                self.audit.record(
-                    "reconcile",
-                    f"container {cid[:12]} ended while the runtime could not tell us"
-                    + (f"; released CPUs {decision.cpus}" if decision else ""),
-                    container_id=cid, reason="cgroup gone or empty",
-                )  # fmt: skip
-        self._commit(state)
+                ended.append(cid)
+        if not ended:
+            return Outcome(state)
+        outcome = self._commit(
+            self.engine.ended(state, ended, "its cgroup is gone or empty, and the runtime "
+                              "could not tell us")
+        )  # fmt: skip
+        self.audit.emit(outcome.events)
+        return outcome
 
-    def _release(self, cid: str, pod: pb.PodSandbox) -> Decision | None:
-        with self.store.locked():
-            decision, new_state = self.policy.release(self.state, cid)
-            self._commit(new_state)
-        if decision is not None:
-            held = decision.cpus
-            self.audit.record(
-                "release",
-                f"released CPUs {held} of container {cid[:12]} (pod {pod.namespace}/{pod.name})",
-                container_id=cid,
-                pod_uid=pod.uid,
-                pod_name=pod.name,
-                pod_namespace=pod.namespace,
-                cpus=held,
-                shared_cpus=decision.shared_after,
-            )
-            self._audit_resize(decision)
-        return decision
-
-    def _fill_cpu(self, cpu: pb.LinuxCPU, cpus: CPUSet, mems: CPUSet, exclusive: bool) -> None:
-        cpu.cpus = str(cpus)
-        if mems:
-            cpu.mems = str(mems)
-        if exclusive and self.settings.cfs_quota == "unlimited":
-            # No CFS quota on exclusive CPUs (kubelet >= 1.33 does the same): the cpuset already
-            # bounds the container, and quota only adds throttling stalls.
-            cpu.quota.value = -1
-
-    def _update_for(self, cid: str) -> pb.ContainerUpdate:
-        update = pb.ContainerUpdate(container_id=cid, ignore_failure=True)
-        held = self.state.assignments.get(cid)
-        cpu = update.linux.resources.cpu
-        if held is not None and held.cpus:
-            self._fill_cpu(cpu, held.cpus, self.policy.topology.numa_of(held.cpus), True)
-        else:
-            self._fill_cpu(cpu, self.state.shared, CPUSet(), False)
-            if held is not None and self.settings.cfs_quota == "unlimited":
-                # Degraded to the shared pool: its CPU limit bounds it again meanwhile.
-                cpu.quota.value = held.count * CFS_PERIOD_US
-                cpu.period.value = CFS_PERIOD_US
+    def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
+        # ignore_failure: a sibling that exits at this very moment must not fail a creation.
+        update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
+        _fill(update.linux.resources.cpu, target)
         return update
 
-    def _cpuset_of(self, state: NodeState, cid: str) -> CPUSet:
-        return StaticPolicy.cpuset_for(state, cid)
-
     def _sibling_updates(self, exclude: str) -> list[pb.ContainerUpdate]:
-        # ignore_failure: a sibling that exits at this very moment must not fail a creation.
-        followers = set(self.state.sharing) | {
-            cid for cid, held in self.state.assignments.items() if not held.cpus
-        }
-        return [self._update_for(cid) for cid in sorted(followers) if cid != exclude]
+        return [self._update(t) for t in self.engine.followers(self.state, exclude)]
 
-    def _push_sibling_updates(self) -> None:
-        updates = self._sibling_updates(exclude="")
+    def _push(self, targets: Iterable[Target]) -> None:
+        """Tell the runtime about cpusets that changed outside of an event's reply."""
+        updates = [self._update(t) for t in targets]
         if updates and self.stub is not None:
             self.stub.schedule_update_containers(updates, self._updates_done)
 
@@ -575,40 +477,15 @@ class CPUPlugin:
                 reason=str(result),
             )
 
-    def _audit_decision(self, decision: Decision, workload: Workload) -> None:
-        if decision.exclusive:
-            self.audit.record(
-                "allocate",
-                f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name} got "
-                f"exclusive CPUs {decision.cpus} (NUMA {decision.mems}): {decision.reason}",
-                reason=decision.reason,
-                cpus=decision.cpus,
-                mems=decision.mems,
-                shared_cpus=decision.shared_after,
-                **workload.identity(),
-            )
-        else:
-            self.audit.record(
-                "share",
-                f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name} runs in "
-                f"the shared pool {decision.cpus}: {decision.reason}",
-                audit_mod.DEBUG,
-                reason=decision.reason,
-                cpus=decision.cpus,
-                **workload.identity(),
-            )
-        self._audit_resize(decision)
 
-    def _audit_resize(self, decision: Decision) -> None:
-        if decision.shared_changed:
-            self.audit.record(
-                "shared-resize",
-                f"shared pool {decision.shared_before} -> {decision.shared_after} "
-                f"({len(self.state.sharing)} containers updated in the same reply)",
-                reason=decision.reason,
-                shared_cpus=decision.shared_after,
-                old_shared_cpus=decision.shared_before,
-            )
+def _fill(cpu: pb.LinuxCPU, target: Target) -> None:
+    cpu.cpus = str(target.cpus)
+    if target.mems:
+        cpu.mems = str(target.mems)
+    if target.quota is not None:
+        cpu.quota.value = target.quota
+        if target.quota >= 0:
+            cpu.period.value = CFS_PERIOD_US
 
 
 def _cpus(container: pb.Container) -> CPUSet:

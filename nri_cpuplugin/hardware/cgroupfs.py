@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 
+from ..base.errors import PluginError
 from ..base.value import Value
 from ..core.cpuset import CPUSet
 
@@ -42,8 +43,11 @@ MAX_DEPTH = 16
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class CgroupError(Exception):
-    """A cgroup could not be found, read or written; the message names the file and why."""
+class CgroupError(PluginError):
+    """A cgroup could not be found, read or written; the message names the file and why.
+    Codes: ``cgroup`` (generally), ``no-such-process`` (a pid that exited meanwhile)."""
+
+    code = "cgroup"
 
 
 def split_path(path: object) -> tuple[str, ...]:
@@ -261,7 +265,8 @@ class CgroupFS:
         try:
             written = os.write(fd, data)
         except OSError as err:
-            raise CgroupError(f"writing {value!r} to {where} failed: {_why(err)}") from None
+            code = "no-such-process" if err.errno == errno.ESRCH else None
+            raise CgroupError(f"writing {value!r} to {where} failed: {_why(err)}", code) from None
         finally:
             os.close(fd)
         if written != len(data):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..ops import audit as audit_mod
+from ..core.events import WARNING
 from . import cgroupfs
 from .liveness import cgroup_path
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import socket
     from typing import Any
 
-    from ..core.policy import Followed
+    from ..ops.audit import Audit
 
 KERNEL_GROUP = 1  # uevents as the kernel sends them (2 would be udevd's re-broadcast)
 RCVBUF = 1 << 20  # a burst (SMT switched off offlines half the CPUs at once) must fit
@@ -136,37 +136,19 @@ class UeventListener:
 
 # --- audit (daemon and hook) ---------------------------------------------------------------------
 
-_CHANGE_ACTIONS = {
-    "replaced": ("cpu-replaced", audit_mod.NOTICE),
-    "degraded": ("degraded", audit_mod.WARNING),
-    "preempted": ("degraded", audit_mod.WARNING),
-    "restored": ("cpu-restored", audit_mod.NOTICE),
-}
 
-
-def audit_changes(audit: audit_mod.Audit, followed: Followed) -> None:
-    """One audit record per container that following the online set changed."""
-    for change in followed.changes:
-        action, priority = _CHANGE_ACTIONS[change.action]
-        held = followed.state.assignments.get(change.container_id)
-        who = (
-            f"{held.pod_namespace}/{held.pod_name}/{held.container_name}"
-            if held is not None
-            else change.container_id[:12]
-        )
+def audit_repairs(audit: Audit, returned: dict[str, int], errors: list[str]) -> None:
+    """The records of one round of cgroup repairs: processes put back, and what failed."""
+    for cid, moved in sorted(returned.items()):
         audit.record(
-            action,
-            f"{who}: {change.reason}; holds {change.held or 'nothing (shared pool)'}"
-            + (f", owed {change.lost}" if change.lost else ""),
-            priority,
-            container_id=change.container_id,
-            cpus=change.cpus,
-            held_cpus=change.held,
-            lost_cpus=change.lost,
-            reason=change.reason,
-            pod_name=held.pod_name if held else None,
-            pod_namespace=held.pod_namespace if held else None,
+            "cgroup-repair",
+            f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup v1 "
+            "had moved them out when the cpuset lost its last CPU)",
+            container_id=cid,
+            processes=moved,
         )
+    for error in errors:
+        audit.record("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
 
 
 # --- cgroup repairs ------------------------------------------------------------------------------
@@ -273,7 +255,7 @@ def return_evicted_tasks(fs: cgroupfs.CgroupFS, path: str, proc: str = "/proc") 
                 fs.write("cpuset", target, "cgroup.procs", pid)
                 moved += 1
             except cgroupfs.CgroupError as err:
-                if "No such process" not in str(err):  # exited meanwhile: nothing to move
+                if err.code != "no-such-process":  # exited meanwhile: nothing to move
                     raise
     return moved
 

@@ -35,6 +35,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from ..base.value import Value
+from ..core import annotation
 from ..core.cpuset import CPUSet
 from ..core.policy import NICPreference, PolicyError
 from ..core.topology import Topology
@@ -53,9 +54,9 @@ if TYPE_CHECKING:
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
-NICS_ANNOTATION = "nics.nri-cpuplugin.io"
+NICS_ANNOTATION = annotation.NICS
 # "prefer" (default) | "strict" (fail rather than place elsewhere) | "off" (no preference).
-LOCALITY_ANNOTATION = "nic-locality.nri-cpuplugin.io"
+LOCALITY_ANNOTATION = annotation.NIC_LOCALITY
 MODES = ("prefer", "strict", "off")
 # Bounds on untrusted input and on the work one creation may cause.
 MAX_NAMED = 16
@@ -114,38 +115,35 @@ class Locality(Value):
 def request(annotations: Mapping[str, str], container_name: str) -> Request:
     """The NIC request of a container; the container-specific annotation wins.  Raises
     PolicyError for values the pod author must fix (a silent guess would hide the typo)."""
-    names_text = _annotation(annotations, NICS_ANNOTATION, container_name)
-    mode_text = _annotation(annotations, LOCALITY_ANNOTATION, container_name)
+    names_text = annotation.lookup(annotations, NICS_ANNOTATION, container_name)
+    mode_text = annotation.lookup(annotations, LOCALITY_ANNOTATION, container_name)
     mode = "prefer"
     if mode_text is not None:
         mode = mode_text.strip().lower()
         if mode not in MODES:
             raise PolicyError(
-                f"annotation {LOCALITY_ANNOTATION}={mode_text!r}: expected one of "
-                f"{', '.join(MODES)}"
+                f"annotation {LOCALITY_ANNOTATION}={annotation.echo(mode_text)}: expected one "
+                f"of {', '.join(MODES)}",
+                "bad-annotation",
             )
     names = None
     if names_text is not None:
         names = tuple(n.strip() for n in names_text.split(",") if n.strip())
         if not names or len(names) > MAX_NAMED:
             raise PolicyError(
-                f"annotation {NICS_ANNOTATION}={names_text!r}: expected 1 to {MAX_NAMED} "
-                "comma-separated interface names"
+                f"annotation {NICS_ANNOTATION}={annotation.echo(names_text)}: expected 1 to "
+                f"{MAX_NAMED} comma-separated interface names",
+                "bad-annotation",
             )
         for name in names:
             bad = "/" in name or name in (".", "..") or not name.isprintable()
             if bad or len(name) >= IFNAMSIZ:
                 raise PolicyError(
-                    f"annotation {NICS_ANNOTATION}: {name!r} is not a valid interface name"
+                    f"annotation {NICS_ANNOTATION}: {annotation.echo(name)} is not a valid "
+                    "interface name",
+                    "bad-annotation",
                 )
     return Request(names, mode)
-
-
-def _annotation(annotations: Mapping[str, str], key: str, container: str) -> str | None:
-    for name in (f"{key}/container.{container}", key):
-        if name in annotations:
-            return annotations[name]
-    return None
 
 
 def netns_path(namespaces: Iterable[Any]) -> str | None:

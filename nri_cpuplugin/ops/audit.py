@@ -22,9 +22,12 @@ import re
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..base import jsonbytes
+from ..core.events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent
+
+__all__ = ["DEBUG", "ERR", "INFO", "NOTICE", "WARNING", "Audit"]
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
@@ -33,8 +36,6 @@ if TYPE_CHECKING:
 
 IDENTIFIER = "nri-cpuplugin"
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
-# syslog priorities
-ERR, WARNING, NOTICE, INFO, DEBUG = 3, 4, 5, 6, 7
 
 Sink = Callable[[dict[str, str]], None]
 
@@ -160,3 +161,9 @@ class Audit:
             if value is not None and value != "":
                 record[key.upper()] = str(value)
         self.sink(record)
+
+    def emit(self, events: Iterable[AuditEvent], **extra: Any) -> None:
+        """Record the engine's events in order; ``extra`` fields go on every one of them
+        (what only the front end knows: how long it waited for the lock, cgroups written)."""
+        for e in events:
+            self.record(e.action, e.message, e.priority, **e.fields, **extra)

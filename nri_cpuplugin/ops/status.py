@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core.cpuset import CPUSet
 from ..core.topology import TopologyError, discover
-from ..storage.store import StateStore
+from ..storage.store import MISSING, StateStore
 
 
 def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
     report: dict[str, Any] = {"state_file": str(store.state_path)}
     if result.state is None:
         report.update(
-            state="missing" if "no state file" in (result.problem or "") else "bad",
+            state="missing" if result.code == MISSING else "bad",
             problem=result.problem,
         )
         return report

@@ -1,0 +1,14 @@
+"""Errors of the core's decisions."""
+
+from __future__ import annotations
+
+from ..base.errors import PluginError
+
+
+class PolicyError(PluginError):
+    """A request that cannot be met; the message is shown to whoever created the container.
+
+    Codes: ``refused`` (no room, or a request the policy cannot honour), ``bad-annotation``
+    (a value the pod author must fix), ``config`` (a configuration the policy cannot run)."""
+
+    code = "refused"

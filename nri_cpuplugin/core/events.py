@@ -1,0 +1,27 @@
+"""Audit events as values: what the engine says happened, before anyone writes it anywhere.
+
+The engine returns these with every outcome; ``ops/audit.py`` turns them into journald records.
+Priorities are syslog's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ..base.value import Value
+
+ERR, WARNING, NOTICE, INFO, DEBUG = 3, 4, 5, 6, 7
+
+_NONE: Mapping = MappingProxyType({})
+
+
+class AuditEvent(Value):
+    action: str  # ACTION= of the record (docs/operator-guide.md lists them)
+    message: str
+    priority: int = INFO
+    fields: Mapping[str, object] = _NONE
+
+
+def event(action: str, message: str, priority: int = INFO, **fields: object) -> AuditEvent:
+    return AuditEvent(action, message, priority, MappingProxyType(fields))

@@ -1,0 +1,502 @@
+"""One OCI hook run: ``createRuntime`` places a container, ``poststop`` releases it.
+
+The decisions are the engine's (core/engine.py), exactly as in the NRI daemon; this module
+turns one hook invocation into engine events and the outcome into cgroup writes:
+
+1. read and check the input (state JSON, ``<bundle>/config.json``, ``/proc/<pid>/cgroup``);
+   pause containers and containers without a Kubernetes identity are left alone;
+2. take the state lock (storage/lock.py), waiting a bounded time well below the hook timeout;
+3. observe: load the state, then release the container the runtime says stopped and every
+   recorded container whose cgroup is gone or empty (``poststop`` only runs when the runtime
+   deletes a container, often long after it died), and synchronize with what still runs;
+4. decide (``Engine.create``), **commit**, and only then write cgroupfs: the container's cpuset
+   (+ NUMA nodes, CFS quota lifted when exclusive) and every shared container's cpuset, as one
+   transaction that is undone if any write fails.
+
+The hook finds shared containers again through its records (records.py).  A node's containers
+are placed either by the hook or by the NRI daemon, not both: an assignment the hook has no
+record for cannot be checked and is treated as stale.
+
+Test-only: ``NRI_CPUPLUGIN_FAULT=<step>`` makes the process SIGKILL itself at that step boundary
+(see FAULT_STEPS) so tests can prove that the next run repairs whatever was left half done.
+Nothing sets it in production; the runtime passes hooks exactly the ``env`` of their hook entry.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..base.value import Value
+from ..core.cpuset import CPUSet
+from ..core.engine import CFS_PERIOD_US, Engine, Loaded, Outcome, Target
+from ..core.events import DEBUG, WARNING
+from ..core.policy import PolicyError, StaticPolicy
+from ..core.reconcile import LiveContainer
+from ..core.state import NodeState
+from ..core.workload import Workload
+from ..hardware import cgroupfs
+from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
+from ..ops.audit import Audit
+from ..ops.config import Settings
+from ..storage.store import Expected, StateStore
+from . import oci
+from .records import Record, Records
+from .topology_cache import cached_topology
+
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:  # nic and hotplug are imported when they are needed
+    from collections.abc import Mapping
+
+    from ..hardware.nic import Locality
+
+FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
+FAULT_STEPS = (
+    "locked",  # the state lock is held
+    "loaded",  # state read (and rebuilt if it had to be)
+    "decided",  # stale entries released, the new decision made, nothing written yet
+    "recorded",  # the container's record is written
+    "committed",  # the new state is on disk
+    "shared-written",  # the shared containers' cpusets are written
+    "container-written",  # the container's own cpuset (and quota) are written
+    "cleaned",  # records of released containers are removed
+)
+# The hooks.d entries give the hook 30 s (hooks/*.json).  A commit takes milliseconds, so
+# waiting 10 s means hundreds of hooks are queued; past that, failing with a clear message
+# beats being SIGKILLed by the runtime with none.
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+EXIT_OK, EXIT_REFUSED, EXIT_INPUT = 0, 1, 2
+
+
+class HookFailure(Exception):
+    """Ends the run with a one-line reason on stderr and a non-zero exit."""
+
+    def __init__(
+        self,
+        message: str,
+        code: int = EXIT_REFUSED,
+        action: str = "hook-failed",
+        **fields: object,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.action = action
+        self.fields = fields
+
+
+class Options(Value):
+    stage: str | None = None  # from argv; None = from the state's status
+    cgroup_root: str = cgroupfs.DEFAULT_ROOT
+    proc: str = "/proc"
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    fault: str | None = None
+
+
+class _View(Value):
+    """What one run found under the lock, before deciding anything."""
+
+    stored: NodeState | None  # the document as read (before following/normalising)
+    loaded: Loaded
+    records: dict[str, Record]
+    unusable: dict[str, str]  # record files that could not be read, and why
+    live: list[LiveContainer]
+    requested: dict[str, CPUSet]  # cpuset.cpus of each live container's cgroup
+    observed: Outcome  # the stop, the ended containers and the synchronize, in that order
+    # cgroup v1: live containers whose cpuset the kernel emptied (a CPU went offline), their
+    # processes moved to an ancestor; they are put back once the cpuset has CPUs again.
+    evicted: frozenset[str] = frozenset()
+
+
+class Hook:
+    def __init__(self, settings: Settings, options: Options, audit: Audit) -> None:
+        self.settings = settings
+        self.options = options
+        self.audit = audit
+        self.store = StateStore(settings.state_dir, options.lock_timeout, use_alarm=True)
+        self.records = Records(settings.state_dir)
+
+    # --- entry points ----------------------------------------------------------------------
+
+    def allocate(self, state: oci.OCIState) -> int:
+        config = oci.read_config(state.bundle)
+        annotations = config.annotations
+        if oci.is_sandbox(annotations):
+            self._skip(state, "pod sandbox (pause) container")
+            return EXIT_OK
+        identity = oci.kubernetes_identity(annotations)
+        if identity is None:
+            self._skip(state, "no Kubernetes pod uid and container name annotations")
+            return EXIT_OK
+        if state.pid is None:
+            raise oci.InputError(
+                f"the state of container {state.id} has no pid: placing a container needs its "
+                "process (is the hook configured for a stage other than createRuntime?)"
+            )
+        layout = self._layout()
+        cgroups = cgroupfs.read_proc_cgroup(state.pid, layout, self.options.proc)
+        _check_container_cgroup(cgroups.cpuset, state.id, state.pid)
+        workload = oci.from_oci(state, config, cgroups.cpuset, identity)
+        engine = self._engine()
+        locality = self._nic_locality(engine.policy, workload, config)
+        with CgroupFS(layout) as fs:
+            if not fs.exists("cpuset", cgroups.cpuset):
+                raise CgroupError(f"cgroup {cgroups.cpuset} of container {state.id} is gone")
+            return self._locked_run(
+                engine, fs, workload=workload, cgroups=cgroups, locality=locality
+            )
+
+    def release(self, state: oci.OCIState) -> int:
+        engine = self._engine()
+        with CgroupFS(self._layout()) as fs:
+            return self._locked_run(engine, fs, released_id=state.id)
+
+    # --- the locked part -------------------------------------------------------------------
+
+    def _locked_run(
+        self,
+        engine: Engine,
+        fs: CgroupFS,
+        workload: Workload | None = None,
+        cgroups: ContainerCgroups | None = None,
+        released_id: str | None = None,
+        locality: Locality | None = None,
+    ) -> int:
+        store = self.store
+        with store.locked():
+            dir_fd = store.held_dir()
+            self._fault("locked")
+            view = self._observe(engine, fs, dir_fd, workload, released_id)
+            outcome = view.observed
+            refusal: PolicyError | None = None
+            if workload is not None:
+                try:
+                    outcome = outcome.then(
+                        engine.create(
+                            outcome.state,
+                            workload,
+                            locality.preference if locality is not None else None,
+                            locality.note if locality is not None else None,
+                        )
+                    )
+                except PolicyError as err:
+                    refusal = err
+            placed = outcome.decision is not None and workload is not None
+            state = outcome.state
+            self._fault("decided")
+
+            # Commit, then act.  The record of a newly placed container is written first, so
+            # every container a committed state names can be found again.
+            targets = {
+                c.workload.container_id: view.records[c.workload.container_id] for c in view.live
+            }
+            if placed:
+                targets[workload.container_id] = Record(workload, cgroups)
+                self.records.write(dir_fd, targets[workload.container_id])
+                self._fault("recorded")
+            if view.loaded.set_aside:
+                store.set_aside()
+            if view.stored is None or state != view.stored:
+                store.commit(state)  # (a followed online set: its new fingerprint too)
+            self._fault("committed")
+            grown = self._grow_ancestors(fs, engine, view)
+            try:
+                writes = self._apply(fs, engine, state, targets, view.requested, workload)
+            except CgroupError as err:
+                if placed and state != view.observed.state:
+                    # Every write was undone: the state must not claim the decision either.
+                    store.commit(view.observed.state)
+                    self.records.remove(dir_fd, [workload.container_id])
+                raise HookFailure(str(err)) from None
+            returned, errors = self._return_evicted(fs, view, targets)
+
+            # Records of containers the state no longer names go last: until the commit above,
+            # the old state still named them.
+            keep = set(state.assignments) | set(state.sharing) | targets.keys()
+            self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
+            self._fault("cleaned")
+            lock_wait = store.lock_wait
+
+        extra = {"lock_wait_ms": f"{lock_wait * 1000:.1f}", "cgroup_writes": len(writes)}
+        self.audit.emit(view.loaded.events)
+        self.audit.emit(outcome.events, **extra)
+        self._report_repairs(returned, grown + errors)
+        if refusal is not None:
+            raise HookFailure(
+                str(refusal),
+                EXIT_REFUSED,
+                "refuse",
+                lock_wait_ms=extra["lock_wait_ms"],
+                **workload.identity(),
+            )
+        return EXIT_OK
+
+    def _observe(
+        self,
+        engine: Engine,
+        fs: CgroupFS,
+        dir_fd: int,
+        workload: Workload | None,
+        released_id: str | None,
+    ) -> _View:
+        """The state as stored, then as the live cgroups say it must be: the container the
+        runtime says stopped is released, every other one whose cgroup is gone or empty too,
+        and the rest synchronized as after an NRI Synchronize.  A state that had to be set
+        aside is rebuilt from the records of containers still running."""
+        policy = engine.policy
+        result = self.store.load(Expected(policy.name, None, policy.reserved))
+        loaded = engine.load(result.state, result.problem, result.quarantined, announce=False)
+        self._fault("loaded")
+        records, unusable = self.records.load(dir_fd)
+        for problem in unusable.values():
+            self.audit.record("reconcile", problem, WARNING)
+        base = loaded.state
+        known = set(base.assignments) | set(base.sharing) if loaded.trusted else set(records)
+        observed = Outcome(base)
+        pods = set()
+        if released_id is not None:
+            observed = engine.stop(base, released_id)
+            known.discard(released_id)
+            held = base.assignments.get(released_id)
+            if held is not None:  # its restart may come next: keep what it held for that
+                pods.add(held.pod_uid)
+        live, requested, stale, evicted = self._live(fs, known, records)
+        if stale:
+            observed = observed.then(
+                engine.ended(observed.state, stale, "its cgroup is gone or empty")
+            )
+        pods |= {c.workload.pod_uid for c in live}
+        if workload is not None:
+            pods.add(workload.pod_uid)
+        observed = observed.then(engine.synchronize(observed.state, live, pods))
+        return _View(
+            result.state,
+            loaded,
+            records,
+            unusable,
+            live,
+            requested,
+            observed,
+            frozenset(evicted),
+        )
+
+    def _live(
+        self, fs: CgroupFS, known: set[str], records: Mapping[str, Record]
+    ) -> tuple[list[LiveContainer], dict[str, CPUSet], list[str], set[str]]:
+        """(known containers that still run - their recorded cgroup has processes - with the
+        CPUs they run on; the cpusets their cgroups ask for; the stale rest; the evicted ones).
+        The two sets differ only on cgroup v2, when an ancestor does not offer every CPU asked
+        for.  Evicted (cgroup v1): the kernel emptied the cpuset when its last CPU went offline
+        and moved the processes up; the cpu controller's cgroup still holds them."""
+        live, requested, stale, evicted = [], {}, [], set()
+        for cid in sorted(known):
+            record = records.get(cid)
+            try:
+                if record is not None and fs.populated(record.cgroups.cpuset):
+                    path = record.cgroups.cpuset
+                    running_on = fs.cpus(path)
+                    live.append(LiveContainer(record.workload, running_on))
+                    v2 = fs.layout.version == cgroupfs.V2
+                    requested[cid] = fs.requested(path) if v2 else running_on
+                    continue
+                if record is not None and _evicted(fs, record):
+                    live.append(LiveContainer(record.workload, CPUSet()))
+                    requested[cid] = CPUSet()
+                    evicted.add(cid)
+                    continue
+            except CgroupError:
+                pass  # its cgroup is gone (ENOENT) or unreadable: it cannot be running there
+            stale.append(cid)
+        return live, requested, stale, evicted
+
+    def _apply(
+        self,
+        fs: CgroupFS,
+        engine: Engine,
+        state: NodeState,
+        targets: Mapping[str, Record],
+        requested: Mapping[str, CPUSet],
+        current: Workload | None,
+    ) -> list[str]:
+        """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
+        then CPUs given, the new container last.  One transaction: all or nothing.  Returns
+        one line per cgroup written."""
+        plan: list[tuple[Record, Target]] = []
+        for cid, record in targets.items():
+            if cid not in state.assignments and cid not in state.sharing:
+                continue
+            target = engine.target(state, cid)
+            # Shared containers already on the pool, the usual case, need no write.
+            if target.exclusive or target.quota is not None or requested.get(cid) != target.cpus:
+                plan.append((record, target))
+        current_id = current.container_id if current is not None else None
+        others = [p for p in plan if p[1].container_id != current_id]
+        mine = [p for p in plan if p[1].container_id == current_id]
+        # CPUs are taken away before they are given, so no CPU is ever in more places than
+        # it already was.
+        others.sort(
+            key=lambda p: (
+                not (requested.get(p[1].container_id, CPUSet()) - p[1].cpus),
+                p[1].container_id,
+            )
+        )
+        written: list[str] = []
+        tx = Transaction(fs)
+        for step in (others, mine):
+            for record, target in step:
+                cid = target.container_id
+                try:
+                    if _place(tx, record, target):
+                        written.append(f"{cid[:12]}={target.cpus}")
+                except CgroupError as err:
+                    # A sibling exiting right now must not fail this container (as the NRI
+                    # path's ignore_failure); the next run finds it stale.
+                    if cid != current_id and not _still_running(fs, record):
+                        continue
+                    undone = len(tx.done)
+                    failed = tx.rollback()
+                    message = f"{err}; rolled back {undone} earlier cgroup writes"
+                    if failed:
+                        message += f", {len(failed)} of which failed: {'; '.join(failed)}"
+                    raise CgroupError(message) from None
+            if step is others:
+                self._fault("shared-written")
+            elif current is not None:
+                self._fault("container-written")
+        return written
+
+    # --- hardware awareness -----------------------------------------------------------------
+
+    def _nic_locality(
+        self, policy: StaticPolicy, workload: Workload, config: oci.OCIConfig
+    ) -> Locality | None:
+        """Where the pod's NICs are (nic.py), for exclusive candidates only, before the lock
+        as in the daemon (nic is imported only for these).  Bad annotations and a strict
+        locality that cannot be inspected are refusals."""
+        try:
+            if policy.eligibility(workload)[0] is None:
+                return None
+            from ..hardware import nic
+
+            return nic.locality(
+                nic.netns_path(config.namespaces),
+                workload.annotations,
+                workload.container_name,
+                self.settings.sysfs,
+                policy.topology,
+            )
+        except PolicyError as err:
+            raise HookFailure(str(err), EXIT_REFUSED, "refuse", **workload.identity()) from None
+
+    def _grow_ancestors(self, fs: CgroupFS, engine: Engine, view: _View) -> list[str]:
+        """cgroup v1 after a change of the online CPUs: give the online CPUs back to the
+        ancestors of every recorded container (the kernel never does), so the writes below and
+        later ones may use CPUs that came back."""
+        if view.loaded.followed is None or fs.layout.version != cgroupfs.V1:
+            return []
+        from ..hardware import hotplug
+
+        paths = sorted({r.cgroups.cpuset for r in view.records.values()})
+        return hotplug.grow_ancestors(fs.layout, paths, engine.topology.online)
+
+    def _return_evicted(
+        self, fs: CgroupFS, view: _View, targets: Mapping[str, Record]
+    ) -> tuple[dict[str, int], list[str]]:
+        """cgroup v1: put processes the kernel evicted back into their container's cpuset,
+        now that it has CPUs again (after a change of the online set, or when one was found
+        evicted).  Failures are reported, not fatal: the cpusets are written already."""
+        returned: dict[str, int] = {}
+        errors: list[str] = []
+        if fs.layout.version != cgroupfs.V1:
+            return returned, errors
+        cids = set(view.evicted) | (set(targets) if view.loaded.followed is not None else set())
+        if not cids:
+            return returned, errors
+        from ..hardware import hotplug
+
+        for cid in sorted(cids & targets.keys()):
+            try:
+                moved = hotplug.return_evicted_tasks(
+                    fs, targets[cid].cgroups.cpuset, self.options.proc
+                )
+            except CgroupError as err:
+                errors.append(f"{cid[:12]}: {err}")
+                continue
+            if moved:
+                returned[cid] = moved
+        return returned, errors
+
+    def _report_repairs(self, returned: dict[str, int], errors: list[str]) -> None:
+        from ..hardware.hotplug import audit_repairs
+
+        audit_repairs(self.audit, returned, errors)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _engine(self) -> Engine:
+        s = self.settings
+        dir_fd = self.store.open_dir()
+        try:
+            topology = cached_topology(s.sysfs, s.state_dir, dir_fd)
+        finally:
+            os.close(dir_fd)
+        policy = StaticPolicy.from_config(
+            topology, s.reserved_cpus, s.effective_reserved_count, s.policy_options
+        )
+        return Engine(policy, s.cfs_quota)
+
+    def _layout(self) -> cgroupfs.Layout:
+        return cgroupfs.detect(self.options.cgroup_root)
+
+    def _fault(self, step: str) -> None:
+        if self.options.fault == step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _skip(self, state: oci.OCIState, why: str) -> None:
+        self.audit.record(
+            "skip", f"container {state.id[:12]} left alone: {why}", DEBUG, container_id=state.id
+        )
+
+
+def _place(tx: Transaction, record: Record, target: Target) -> bool:
+    """Write the cpuset, and the CFS quota when the target sets one."""
+    changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, target.cpus, target.mems)
+    quota = target.quota
+    if quota is not None and record.cgroups.cpu is not None:
+        if quota < 0:
+            changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+        else:
+            changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
+    return changed
+
+
+def _evicted(fs: CgroupFS, record: Record) -> bool:
+    """cgroup v1: the container's cpuset holds no process but its cpu cgroup does - the kernel
+    moved its processes up when the cpuset lost its last CPU (see hotplug.py)."""
+    if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
+        return False
+    if not fs.exists("cpuset", record.cgroups.cpuset):
+        return False
+    return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
+
+
+def _still_running(fs: CgroupFS, record: Record) -> bool:
+    try:
+        return fs.populated(record.cgroups.cpuset)
+    except CgroupError:
+        return False
+
+
+def _check_container_cgroup(path: str, cid: str, pid: int) -> None:
+    """The pid comes from the runtime: make sure we are about to write the container's own
+    cgroup, not the root or a pod-wide one (runtimes name the container's cgroup after its id:
+    ``crio-<id>``, ``<id>``, ``libpod-<id>``, crun's ``crio-<id>.scope/container``)."""
+    parts = cgroupfs.split_path(path)
+    if not parts:
+        raise oci.InputError(f"process {pid} is in the root cgroup, not in a container's cgroup")
+    if not any(cid in part for part in parts[-2:]):
+        raise oci.InputError(
+            f"the cgroup {path} of process {pid} is not named after container {cid}; refusing "
+            "to write it (is pid the container's init process?)"
+        )
