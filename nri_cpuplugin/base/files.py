@@ -115,8 +115,7 @@ def write_atomic(
         renamed = False
         try:
             try:
-                if mode & 0o7000 == 0:
-                    os.fchmod(fd, mode)  # whatever the umask said
+                os.fchmod(fd, mode)  # whatever the umask said
                 view = memoryview(data)
                 while view:  # os.write may write less than asked (signals, quotas)
                     view = view[os.write(fd, view) :]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from types import MappingProxyType
 
-from ..base import jsonbytes
+from ..base import jsonbytes, shape
 
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
@@ -188,16 +188,17 @@ def decode(data: bytes) -> NodeState:
         raise StateFormatError("checksum mismatch (torn write or edited by hand)")
     try:
         state = NodeState(
-            policy=_str(doc, "policy"),
-            fingerprint=_str(doc, "fingerprint"),
-            reserved=CPUSet.parse(_str(doc, "reserved")),
-            shared=CPUSet.parse(_str(doc, "shared")),
+            policy=shape.string(doc, "policy"),
+            fingerprint=shape.string(doc, "fingerprint"),
+            reserved=CPUSet.parse(shape.string(doc, "reserved")),
+            shared=CPUSet.parse(shape.string(doc, "shared")),
             assignments={
-                cid: _assignment(cid, entry) for cid, entry in _dict(doc, "assignments").items()
+                cid: _assignment(cid, entry)
+                for cid, entry in shape.mapping(doc, "assignments").items()
             },
-            released=dict(_released(entry) for entry in _list(doc, "released")),
-            sharing=_strings(_dict(doc, "sharing"), "sharing"),
-            cgroups=_strings(_dict(doc, "cgroups"), "cgroups"),
+            released=dict(_released(entry) for entry in shape.array(doc, "released")),
+            sharing=_strings(doc, "sharing"),
+            cgroups=_strings(doc, "cgroups"),
         )
     except (ValueError, TypeError, KeyError) as err:
         raise StateFormatError(f"malformed field: {err}") from None
@@ -205,81 +206,39 @@ def decode(data: bytes) -> NodeState:
     return state
 
 
-def _str(doc: Mapping, key: str) -> str:
-    value = doc[key]
-    if not isinstance(value, str):
-        raise TypeError(f"{key} must be a string, found {type(value).__name__}")
-    return value
-
-
-def _dict(doc: Mapping, key: str) -> dict:
-    value = doc[key]
-    if not isinstance(value, dict):
-        raise TypeError(f"{key} must be an object")
-    return value
-
-
-def _list(doc: Mapping, key: str) -> list:
-    value = doc[key]
-    if not isinstance(value, list):
-        raise TypeError(f"{key} must be a list")
-    return value
-
-
 def _kind(entry: Mapping) -> str:
-    kind = _str(entry, "kind")
+    kind = shape.string(entry, "kind")
     if kind not in CONTAINER_KINDS:
         raise ValueError(f"unknown container kind {kind!r}")
     return kind
 
 
 def _assignment(cid: str, entry: Any) -> Assignment:
-    if not isinstance(entry, dict):
-        raise TypeError(f"assignment {cid!r} must be an object")
+    entry = shape.obj(entry, f"assignment {cid!r}")
     return Assignment(
         container_id=cid,
-        cpus=CPUSet.parse(_str(entry, "cpus")),
-        pod_uid=_str(entry, "pod_uid"),
-        container_name=_str(entry, "container_name"),
-        pod_name=_str(entry, "pod_name"),
-        pod_namespace=_str(entry, "pod_namespace"),
+        cpus=CPUSet.parse(shape.string(entry, "cpus")),
+        pod_uid=shape.string(entry, "pod_uid"),
+        container_name=shape.string(entry, "container_name"),
+        pod_name=shape.string(entry, "pod_name"),
+        pod_namespace=shape.string(entry, "pod_namespace"),
         kind=_kind(entry),
-        lost=CPUSet.parse(_optional_str(entry, "lost")),
-        nic_nodes=CPUSet.parse(_optional_str(entry, "nic_nodes")),
-        nics=tuple(_strings_list(entry.get("nics", []), f"assignment {cid!r} nics")),
-        nic_strict=_optional_bool(entry, "nic_strict"),
+        lost=CPUSet.parse(shape.string(entry, "lost", optional=True) or ""),
+        nic_nodes=CPUSet.parse(shape.string(entry, "nic_nodes", optional=True) or ""),
+        nics=tuple(shape.strings(entry.get("nics", []), f"assignment {cid!r} nics")),
+        nic_strict=shape.boolean(entry, "nic_strict"),
     )
 
 
-def _optional_str(entry: Mapping, key: str) -> str:
-    return _str(entry, key) if key in entry else ""
-
-
-def _optional_bool(entry: Mapping, key: str) -> bool:
-    value = entry.get(key, False)
-    if not isinstance(value, bool):
-        raise TypeError(f"{key} must be a boolean")
-    return value
-
-
-def _strings_list(value: Any, what: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"{what} must be a list of strings")
-    return value
-
-
 def _released(entry: Any) -> tuple[tuple[str, str], Released]:
-    if not isinstance(entry, dict):
-        raise TypeError("released entries must be objects")
-    key = (_str(entry, "pod_uid"), _str(entry, "container_name"))
-    return key, Released(CPUSet.parse(_str(entry, "cpus")), _kind(entry))
+    entry = shape.obj(entry, "released entry")
+    key = (shape.string(entry, "pod_uid"), shape.string(entry, "container_name"))
+    return key, Released(CPUSet.parse(shape.string(entry, "cpus")), _kind(entry))
 
 
-def _strings(entries: dict, key: str) -> dict[str, str]:
-    for cid, value in entries.items():
-        if not isinstance(value, str):
-            raise TypeError(f"{key}[{cid!r}] must be a string")
-    return entries
+def _strings(doc: Mapping, key: str) -> dict[str, str]:
+    shape.mapping(doc, key)  # required, unlike most maps
+    return shape.string_map(doc, key)
 
 
 def _check_consistent(state: NodeState) -> None:

@@ -109,7 +109,9 @@ def run(
         return _fail(stderr, audit, str(err), EXIT_INPUT, "hook-config", cid)
     except (CgroupError, StateLockTimeout, PluginError) as err:
         # (PluginError: files and the state directory; their messages name the file.)
-        return _fail(stderr, audit, str(err), EXIT_REFUSED, "hook-failed", cid, reason_code=err.code)
+        return _fail(
+            stderr, audit, str(err), EXIT_REFUSED, "hook-failed", cid, reason_code=err.code
+        )
     except OSError as err:
         where = err.filename or "(no file named by the system)"
         return _fail(stderr, audit, f"{where}: {err.strerror or err}", 1, "hook-failed", cid)

@@ -18,9 +18,10 @@ bytes, so interpreter paths that would not survive that are refused with the rea
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+
+from ..base import files
 
 DEFAULT_PATH = "/usr/local/bin/nri-cpuplugin-hook"
 SHEBANG_LIMIT = 127  # BINPRM_BUF_SIZE - 1 before Linux 5.1
@@ -76,23 +77,6 @@ def install(path: str = DEFAULT_PATH, python: str | None = None) -> str:
         raise LauncherError(f"directory {directory} does not exist; create it or pass --path")
     if os.path.isdir(path):
         raise LauncherError(f"{path} is a directory; pass the launcher's file name as --path")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
-    try:
-        try:
-            os.write(fd, text.encode())
-            os.fchmod(fd, 0o755)  # whatever the umask
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)  # the rename survives a crash: the runtime must find the program
-    finally:
-        os.close(dir_fd)
+    # Durable: the rename survives a crash, and the runtime must find the program.
+    files.write_atomic(directory, os.path.basename(path), text.encode(), mode=0o755)
     return text

@@ -8,13 +8,11 @@ Kubernetes intent from the runtime's view"), so the hook and the NRI plugin deci
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from collections.abc import Mapping
 
-from ..base import jsonbytes
+from ..base import files, jsonbytes, shape
 from ..base.value import Value
 from ..core.workload import (
     BESTEFFORT,
@@ -110,7 +108,7 @@ def parse_state(data: bytes) -> OCIState:
         status=status,
         pid=pid or None,  # runc and crun send 0 or nothing when there is no process
         bundle=bundle,
-        annotations=string_map(doc.get("annotations"), "state field 'annotations'"),
+        annotations=_string_map(doc, "annotations", "state field 'annotations'"),
     )
 
 
@@ -144,30 +142,11 @@ def check_abs_path(value: object, what: str) -> str:
 def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> OCIConfig:
     """Read ``<bundle>/config.json`` (a regular file, not followed through a link, bounded)."""
     path = os.path.join(bundle, "config.json")
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise InputError(f"{path} is a symbolic link; refusing to follow it") from None
-        raise InputError(f"cannot read {path}: {err.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InputError(f"{path} is not a regular file")
-        chunks = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    if total > limit:
-        raise InputError(f"{path} is larger than {limit} bytes")
-    return parse_config(b"".join(chunks), path)
+        data = files.read_bounded(path, limit)
+    except files.FileError as err:
+        raise InputError(str(err)) from None
+    return parse_config(data, path)
 
 
 def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
@@ -177,15 +156,18 @@ def parse_config(data: bytes, path: str = "config.json") -> OCIConfig:
         raise InputError(f"{path} is not JSON: {err}") from None
     if not isinstance(doc, dict):
         raise InputError(f"{path} is not a JSON object")
-    linux = _object(doc, "linux", path)
-    cpu = _object(_object(linux, "resources", path), "cpu", path)
-    return OCIConfig(
-        annotations=string_map(doc.get("annotations"), f"{path} annotations"),
-        shares=_int(cpu, "shares", path, minimum=0),
-        quota=_int(cpu, "quota", path),
-        period=_int(cpu, "period", path, minimum=0),
-        namespaces=_namespaces(linux.get("namespaces"), path),
-    )
+    try:
+        linux = _object(doc, "linux")
+        cpu = _object(_object(linux, "resources"), "cpu")
+        return OCIConfig(
+            annotations=shape.string_map(doc, "annotations", f"{path} annotations"),
+            shares=shape.integer(cpu, "shares", optional=True, minimum=0),
+            quota=shape.integer(cpu, "quota", optional=True),
+            period=shape.integer(cpu, "period", optional=True, minimum=0),
+            namespaces=_namespaces(linux.get("namespaces"), path),
+        )
+    except shape.ShapeError as err:
+        raise InputError(f"{path}: {err}") from None
 
 
 def _namespaces(value: object, path: str) -> tuple[Mapping[str, str], ...]:
@@ -277,32 +259,13 @@ def _show(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _object(doc: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+def _object(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = doc.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InputError(f"{path}: {key} is not an object")
-    return value
+    return {} if value is None else shape.obj(value, key)
 
 
-def _int(doc: Mapping[str, Any], key: str, path: str, minimum: int | None = None) -> int | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if type(value) is not int or (minimum is not None and value < minimum):
-        raise InputError(
-            f"{path}: linux.resources.cpu.{key} is not a valid integer: {_show(value)}"
-        )
-    return value
-
-
-def string_map(value: object, what: str) -> dict[str, str]:
-    """A JSON object of strings to strings (annotations); InputError otherwise."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
-        raise InputError(f"{what} is not a map of strings to strings")
-    return value
+def _string_map(doc: Mapping[str, Any], key: str, what: str) -> dict[str, str]:
+    try:
+        return shape.string_map(doc, key, what)
+    except shape.ShapeError as err:
+        raise InputError(str(err)) from None
