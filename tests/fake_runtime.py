@@ -27,6 +27,7 @@ class FakeRuntime:
         self.update_requests: list[pb.UpdateContainersRequest] = []
         self.connections = 0
         self.configure_response: pb.ConfigureResponse | None = None
+        self.configure_reply: wire.ResponseReceived | None = None  # the last, even an error
         self._server: asyncio.AbstractServer | None = None
         self._conn: wire.Connection | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -84,11 +85,13 @@ class FakeRuntime:
         if request.method == "RegisterPlugin":
             self.register_request = pb.RegisterPluginRequest.FromString(request.payload)
             if self.configure_first:  # the race real containerd 2.1 shows
-                await self.configure()
+                if not await self.configure():
+                    return
                 await self.synchronize([], [])
             self._writer.write(self._conn.send_response(request.stream_id))
             if not self.configure_first:
-                await self.configure()
+                if not await self.configure():
+                    return
                 await self.synchronize([], [])
             self.registered.set()
         elif request.method == "UpdateContainers":
@@ -114,7 +117,8 @@ class FakeRuntime:
         self._writer.write(data)
         return await asyncio.wait_for(future, timeout)
 
-    async def configure(self, config: str = "") -> None:
+    async def configure(self, config: str = "") -> bool:
+        """False when the plugin answered with an error: then, like containerd, drop it."""
         request = pb.ConfigureRequest(
             config=config,
             runtime_name="fake",
@@ -123,8 +127,12 @@ class FakeRuntime:
             registration_timeout=5000,
         )
         response = await self.call("Configure", request)
-        assert response.code == 0, response.message
+        self.configure_reply = response
+        if response.code != 0:
+            self.drop_connection()
+            return False
         self.configure_response = pb.ConfigureResponse.FromString(response.payload)
+        return True
 
     async def synchronize(
         self, pods: list, containers: list, chunk: int | None = None

@@ -10,10 +10,20 @@ from pathlib import Path
 
 import pytest
 from fake_runtime import FakeRuntime
+from topologies import build
 
+from nri_cpuplugin.audit import Audit
+from nri_cpuplugin.config import Settings
 from nri_cpuplugin.nri import stub as stub_module
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.nri.stub import Stub, event_mask
+from nri_cpuplugin.nri.stub import (
+    Stub,
+    SubscriptionError,
+    check_handlers,
+    event_mask,
+    narrowed_events,
+)
+from nri_cpuplugin.plugin import CPUPlugin
 
 
 class Recorder:
@@ -272,3 +282,164 @@ def test_from_environment_adopts_the_launched_socket(monkeypatch):
     monkeypatch.setenv("NRI_PLUGIN_SOCKET", "three")
     with pytest.raises(ValueError, match="not a file descriptor"):
         Stub.from_environment(Recorder(), "x", "10")
+
+
+# --- narrowing the subscription in configure() ------------------------------------------------
+
+# Recorder handles remove_pod_sandbox (3), create (4), stop (10) and remove_container (11).
+RECORDER_EVENTS = 0x60C
+
+
+class Narrowing(Recorder):
+    """Subscribes to what ``wanted`` says on the first connection, to everything after."""
+
+    def __init__(self, wanted: object) -> None:
+        super().__init__()
+        self.wanted = [wanted]
+
+    def configure(self, config, runtime, version):
+        super().configure(config, runtime, version)
+        return self.wanted.pop() if self.wanted else None
+
+
+@pytest.mark.parametrize("wanted", [["create_container", "remove_container"], 0x8 | 0x400])
+def test_configure_narrows_the_subscription_for_its_connection(tmp_path, wanted):
+    async def test(path):
+        runtime, stub, plugin, task = await connected(path, Narrowing(wanted))
+        assert runtime.configure_response.events == 0x8 | 0x400
+        assert (await runtime.call("CreateContainer", req(cid="in"))).code == 0
+        assert (await runtime.call("RemoveContainer", req(cid="in"))).code == 0
+        # Narrowed out: a well-behaved runtime never sends these, and if one does, the plugin
+        # does not see them (an empty, successful answer).
+        stop = pb.StopContainerRequest(pod=req().pod, container=req(cid="out").container)
+        reply = await runtime.call("StopContainer", stop)
+        assert reply.code == 0 and reply.payload == b""
+        pod_event = pb.StateChangeEvent(event=3, pod=pb.PodSandbox(id="out"))
+        assert (await runtime.call("StateChange", pod_event)).code == 0
+        assert plugin.seen[2:] == [("create", "in"), ("remove", "in")]
+        # The next connection's Configure (returning None) subscribes to every handler again.
+        runtime.drop_connection()
+        while runtime.connections < 2 or not runtime.registered.is_set():
+            await asyncio.sleep(0.01)
+        assert runtime.configure_response.events == RECORDER_EVENTS
+        assert (await runtime.call("StopContainer", stop)).code == 0
+        assert plugin.seen[-1] == ("stop", "out")
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "message"),
+    [
+        (
+            ["create_container", "start_container"],
+            "configure() asked for events the plugin has no handlers for: start_container "
+            "(event 6) (it handles remove_pod_sandbox (event 3), create_container (event 4), "
+            "stop_container (event 10), remove_container (event 11))",
+        ),
+        (0x8 | 0x800, "no handlers for: update_pod_sandbox (event 12)"),
+        (["create_containers"], "unknown events 'create_containers' (did you mean "),
+    ],
+)
+def test_configure_asking_for_unhandled_events_is_refused(tmp_path, wanted, message):
+    async def test(path):
+        runtime = FakeRuntime(path)
+        await runtime.start()
+        stub = Stub(Narrowing(wanted), "cpuplugin", "50", socket_path=str(path))
+        stub.plugin.wanted = [wanted] * 100  # refuse on every connection
+        task = asyncio.create_task(stub.run())
+        while runtime.configure_reply is None:
+            await asyncio.sleep(0.01)
+        assert runtime.configure_reply.code == 2  # UNKNOWN: the runtime drops the plugin
+        assert runtime.configure_reply.message.startswith("cpuplugin: ")
+        assert message in runtime.configure_reply.message
+        assert not runtime.registered.is_set()
+        # The stub keeps trying (the runtime's config may change), backing off: 0.1 + 0.2 +
+        # 0.4 s of pauses, where a fixed 50 ms retry would have made ten connections.
+        await asyncio.sleep(0.5)
+        assert runtime.connections <= 4
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_narrowed_events_accepts_names_masks_and_none_and_refuses_the_rest():
+    handled = RECORDER_EVENTS
+    assert narrowed_events(handled, None) == handled
+    assert narrowed_events(handled, 0) == handled  # the Go stub's "no narrowing"
+    assert narrowed_events(handled, ("stop_container",)) == 0x200
+    assert narrowed_events(handled, iter(["create_container"])) == 0x8
+    assert narrowed_events(handled, 0x4) == 0x4
+    with pytest.raises(SubscriptionError, match="returned no events; return None"):
+        narrowed_events(handled, [])
+    with pytest.raises(SubscriptionError, match=r"no handlers for: run_pod_sandbox \(event 1\)"):
+        narrowed_events(handled, {"run_pod_sandbox", "create_container"})
+    with pytest.raises(SubscriptionError, match="no handlers for: event 20"):
+        narrowed_events(handled, 1 << 19)
+    with pytest.raises(SubscriptionError, match="not an event mask"):
+        narrowed_events(handled, -1)
+    with pytest.raises(SubscriptionError, match="'stop_pod' \\(did you mean 'stop_pod_sandbox'"):
+        narrowed_events(handled, ["stop_pod"])
+    for wrong in ("create_container", True, 1.5):
+        with pytest.raises(TypeError, match="return None, a list of event handler names"):
+            narrowed_events(handled, wrong)
+
+
+# --- misspelt handlers are refused at start-up ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("create_containers", "did you mean 'create_container'?"),
+        ("stop_pod", "did you mean 'stop_pod_sandbox'?"),
+        ("post_stop_container", "did you mean 'post_start_container'?"),
+        ("synchronise", "did you mean 'synchronize'?"),
+        ("shutdwon", "did you mean 'shutdown'?"),
+        ("CreateContainer", "did you mean 'create_container'?"),
+        ("on_create_container", "did you mean 'create_container'?"),
+        ("on_ready", "it matches no handler"),
+        ("evict_pod", "it matches no handler"),
+        ("update_pod_sandbox", "an NRI >= 0.10 event this stub does not subscribe to"),
+        ("validate_container_adjustment", "an NRI >= 0.10 event this stub does not subscribe"),
+    ],
+)
+def test_misspelt_handler_is_an_error_at_construction(name, hint):
+    plugin = type("Typo", (Recorder,), {name: lambda self, *args: None})()
+    with pytest.raises(ValueError, match="plugin methods the stub would never call") as err:
+        Stub(plugin, "x", "10")
+    assert f"\n  {name}: " in str(err.value) and hint in str(err.value)
+    assert "leading underscore" in str(err.value)
+
+
+def test_helpers_and_data_attributes_are_not_flagged():
+    class Helpful(Recorder):
+        def _stop_pod(self):  # private: never taken for a handler
+            pass
+
+        def start_metrics(self):
+            pass
+
+        def cpu_events(self, events):
+            pass
+
+    plugin = Helpful()
+    plugin.last_container = "c1"  # handler-shaped, but data
+    check_handlers(plugin)
+
+
+def test_handler_name_that_is_not_callable_is_an_error():
+    plugin = Recorder()
+    plugin.shutdown = False  # a flag shadowing the handler: Shutdown would go unheard
+    with pytest.raises(TypeError, match="'shutdown' is an NRI handler name but holds a bool"):
+        Stub(plugin, "x", "10")
+
+
+def test_cpu_plugin_is_not_flagged(tmp_path):
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
+    plugin = CPUPlugin(settings, Audit(lambda record: None))
+    stub = Stub(plugin, "cpuplugin", "50")
+    # create (4), update (8), stop (10), remove_container (11), remove_pod_sandbox (3)
+    assert stub.events == 0x8 | 0x80 | 0x200 | 0x400 | 0x4

@@ -3,7 +3,7 @@
 A plugin is any object with some of these methods (sync or ``async``); the stub subscribes to
 exactly the events it has handlers for, in the manner of containerd/nri's Go ``pkg/stub``:
 
-    configure(config, runtime_name, runtime_version)           -> None
+    configure(config, runtime_name, runtime_version)           -> None | names | int mask
     synchronize(pods, containers)                              -> [ContainerUpdate]
     shutdown()                                                 -> None
     create_container(pod, container)                           -> (ContainerAdjustment | None,
@@ -18,6 +18,18 @@ exactly the events it has handlers for, in the manner of containerd/nri's Go ``p
 Arguments are the generated protobuf messages (``nri_cpuplugin.nri.pb.nri_pb2``).  A handler
 that raises makes the stub answer with an error status, which fails the runtime operation
 (fail closed) while the plugin stays connected.
+
+``configure`` may narrow the subscription for this connection, as the Go stub's Configure
+handler can: return None (or the int 0, as in Go) to keep every handler's event, or the event
+handler names (``["create_container", "remove_container"]``) or an int mask (bit
+``1 << (event - 1)``) to subscribe to those only.  Asking for an event the plugin has no
+handler for is an error, answered to the runtime, which then drops the connection.
+
+The plugin object is checked when the Stub is built: a public callable whose name looks like a
+handler but is none the stub calls (``create_containers``, ``stop_pod``, ``on_start``,
+``Synchronize``) is a ValueError naming the closest handler, and a handler name bound to
+something not callable is a TypeError - either would otherwise be a subscription that silently
+never fires.  Helpers that must have such names take a leading underscore.
 """
 
 from __future__ import annotations
@@ -25,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import difflib
 import inspect
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -60,6 +74,23 @@ EVENT_HANDLERS = {
     11: "remove_container",
 }
 VALID_EVENTS_BEFORE_0_10 = 0x7FF
+EVENT_BITS = {name: 1 << (event - 1) for event, name in EVENT_HANDLERS.items()}
+# NRI >= 0.10 events, in the Go stub's handler names.  This stub never subscribes to them, so a
+# plugin defining one would wait for calls that never come: named in errors, never served.
+UNSERVED_EVENTS = {
+    12: "update_pod_sandbox",
+    13: "post_update_pod_sandbox",
+    14: "validate_container_adjustment",
+}
+# Every name the stub calls on a plugin.
+LIFECYCLE_HANDLERS = ("configure", "synchronize", "shutdown", "connection_lost")
+KNOWN_HANDLERS = frozenset(EVENT_HANDLERS.values()) | frozenset(LIFECYCLE_HANDLERS)
+# Public names in the shape of a handler (the NRI objects, or an on_ callback prefix).  Narrow on
+# purpose: a plugin's other public methods (start_metrics, cpu_events, ...) must pass.
+HANDLER_SHAPED = re.compile(r"^on_|_(?:container|containers|sandbox|pod)$")
+# difflib ratio above which a public name counts as a misspelling of a handler: catches
+# synchronise, shutdwon, stop_contianer, post_stop_container; not start_metrics or stop_hotplug.
+MISSPELLING_CUTOFF = 0.8
 POD_EVENTS = {"run_pod_sandbox", "stop_pod_sandbox", "remove_pod_sandbox"}
 # NRI >= 0.12 calls these directly (falling back to StateChange when we answer UNIMPLEMENTED).
 # Their requests are {1 pod, 2 container}: wire-identical to CreateContainerRequest.
@@ -92,6 +123,13 @@ class UpdateError(Exception):
     """The runtime refused an unsolicited UpdateContainers."""
 
 
+class SubscriptionError(ValueError):
+    """A Configure handler asked for events the plugin cannot serve."""
+
+
+_MISSING = object()
+
+
 def event_mask(plugin: object) -> int:
     """The events a plugin subscribes to: exactly those it has handlers for."""
     mask = 0
@@ -99,6 +137,145 @@ def event_mask(plugin: object) -> int:
         if callable(getattr(plugin, name, None)):
             mask |= 1 << (event - 1)
     return mask
+
+
+def _normalized(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+_BY_NORMALIZED = {_normalized(name): name for name in KNOWN_HANDLERS}
+
+
+def _closest_handler(name: str) -> str | None:
+    """The handler ``name`` was probably meant to be: same letters in another case (Go's
+    CreateContainer), else the nearest by difflib; None if nothing is near."""
+    name = name.removeprefix("on_")  # on_create_container was meant as create_container
+    exact = _BY_NORMALIZED.get(_normalized(name))
+    if exact is not None:
+        return exact
+    close = difflib.get_close_matches(name, sorted(KNOWN_HANDLERS), n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
+_UNSERVED_NORMALIZED = {_normalized(name) for name in UNSERVED_EVENTS.values()}
+
+
+def _looks_like_handler(name: str) -> bool:
+    if name.startswith("_") or name in KNOWN_HANDLERS:
+        return False
+    return (
+        HANDLER_SHAPED.search(name.lower()) is not None
+        or _normalized(name) in _BY_NORMALIZED
+        or _normalized(name) in _UNSERVED_NORMALIZED
+        or bool(difflib.get_close_matches(name, KNOWN_HANDLERS, n=1, cutoff=MISSPELLING_CUTOFF))
+    )
+
+
+def check_handlers(plugin: object) -> None:
+    """Refuse a plugin whose handlers the stub would silently miss.
+
+    TypeError when a handler name is bound to something not callable (a flag named
+    ``shutdown``, say); ValueError naming each public callable that looks like a handler but is
+    none the stub calls, with the closest real one.  Checked at start-up because the runtime
+    never tells a plugin about an event it did not subscribe to.
+    """
+    for name in sorted(KNOWN_HANDLERS):
+        value = getattr(plugin, name, _MISSING)
+        if value is not _MISSING and not callable(value):
+            raise TypeError(
+                f"plugin attribute {name!r} is an NRI handler name but holds a "
+                f"{type(value).__name__}, not a callable; rename the attribute, or narrow the "
+                "subscription in configure() to switch an inherited handler off"
+            )
+    problems = []
+    for name in dir(plugin):
+        # Only names in the shape of a handler are fetched: getattr may run properties.
+        if not _looks_like_handler(name) or not callable(getattr(plugin, name, None)):
+            continue
+        if _normalized(name) in _UNSERVED_NORMALIZED:
+            problems.append(
+                f"{name}: would handle an NRI >= 0.10 event this stub does not subscribe to"
+            )
+            continue
+        closest = _closest_handler(name)
+        hint = f"did you mean {closest!r}?" if closest else "it matches no handler"
+        problems.append(f"{name}: looks like an NRI handler but is none; {hint}")
+    if problems:
+        raise ValueError(
+            "plugin methods the stub would never call:\n  "
+            + "\n  ".join(problems)
+            + f"\nHandlers are: {', '.join(sorted(KNOWN_HANDLERS))}.\nA helper with such a "
+            "name needs a leading underscore."
+        )
+
+
+def describe_events(mask: int) -> str:
+    """``start_container (event 6), event 20`` for the bits set in ``mask``."""
+    names = []
+    for bit in range(mask.bit_length()):
+        if mask & (1 << bit):
+            event = bit + 1
+            name = EVENT_HANDLERS.get(event) or UNSERVED_EVENTS.get(event)
+            names.append(f"{name} (event {event})" if name else f"event {event}")
+    return ", ".join(names)
+
+
+def narrowed_events(handled: int, wanted: object) -> int:
+    """The subscription for a connection, given the mask of the plugin's handlers and what its
+    ``configure`` returned (see the module docstring)."""
+    if wanted is None:
+        return handled
+    if isinstance(wanted, (bool, str, bytes)):
+        # A bare string would iterate as letters; True would read as event 1.
+        raise TypeError(
+            f"configure() returned {wanted!r}; return None, a list of event handler names "
+            "or an int event mask"
+        )
+    if isinstance(wanted, int):
+        if wanted == 0:  # the Go stub's "no narrowing"; on the wire 0 would mean every event
+            return handled
+        if not 0 < wanted < 1 << 31:  # ConfigureResponse.events is an int32
+            raise SubscriptionError(f"configure() returned {wanted:#x}, not an event mask")
+        mask = wanted
+    elif isinstance(wanted, Iterable):
+        names = list(wanted)
+        unknown = [n for n in names if n not in EVENT_BITS]
+        if unknown:
+            hints = [
+                f"{n!r} (did you mean {c!r}?)" if (c := _closest_event(n)) else repr(n)
+                for n in unknown
+            ]
+            raise SubscriptionError(
+                f"configure() asked for unknown events {', '.join(hints)}; event handler "
+                f"names are: {', '.join(EVENT_BITS)}"
+            )
+        if not names:
+            # Not expressible: a zero mask on the wire subscribes to everything.
+            raise SubscriptionError(
+                "configure() returned no events; return None to keep every handler's event"
+            )
+        mask = 0
+        for name in names:
+            mask |= EVENT_BITS[name]
+    else:
+        raise TypeError(
+            f"configure() returned a {type(wanted).__name__}; return None, a list of event "
+            "handler names or an int event mask"
+        )
+    extra = mask & ~handled
+    if extra:
+        raise SubscriptionError(
+            "configure() asked for events the plugin has no handlers for: "
+            f"{describe_events(extra)} (it handles {describe_events(handled)})"
+        )
+    return mask
+
+
+def _closest_event(name: object) -> str | None:
+    if not isinstance(name, str):
+        return None
+    close = difflib.get_close_matches(name, list(EVENT_BITS), n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 class Stub:
@@ -129,7 +306,10 @@ class Stub:
         self.socket_path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         self.launched_fd = launched_fd
         self.observe = observe  # (method, seconds) of every request served: for metrics
-        self.events = event_mask(plugin)
+        check_handlers(plugin)
+        self.handled_events = event_mask(plugin)
+        # What this connection subscribed to: all handled events until Configure narrows it.
+        self.events = self.handled_events
         if not self.events:
             # On the wire 0 means "everything", which would make us a validator of every
             # container on NRI >= 0.10.  A plugin without handlers is a mistake.
@@ -147,6 +327,7 @@ class Stub:
         self._tasks: set[asyncio.Task] = set()
         self._sync_pods: list[pb.PodSandbox] = []
         self._sync_containers: list[pb.Container] = []
+        self._configured = False  # this connection's Configure was answered with success
         self._methods: dict[str, Callable[[bytes], Any]] = {
             "Configure": self._configure,
             "Synchronize": self._synchronize,
@@ -204,10 +385,12 @@ class Stub:
                 await self._sleep_unless_stopped(delay)
                 delay = min(delay * 2, RECONNECT_MAX)
                 continue
-            delay = RECONNECT_MIN
             await self._serve_connection(reader, writer)
+            # A connection that ended before a Configure went through (a refused
+            # subscription, say) backs off rather than retry the same failure 20 times a second.
+            delay = RECONNECT_MIN if self._configured else min(delay * 2, RECONNECT_MAX)
             if not self._stopping.is_set():
-                await self._sleep_unless_stopped(RECONNECT_MIN)
+                await self._sleep_unless_stopped(delay)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -224,6 +407,8 @@ class Stub:
         self._conn = wire.Connection()
         self._writer = writer
         self._sync_pods, self._sync_containers = [], []
+        self._configured = False
+        self.events = self.handled_events  # each connection's Configure narrows afresh
         reading = asyncio.create_task(self._read_loop(reader))
         try:
             await self._register()
@@ -354,6 +539,11 @@ class Stub:
             self.stop()
 
     async def _call_plugin(self, name: str, *args: Any) -> Any:
+        bit = EVENT_BITS.get(name)
+        if bit is not None and not self.events & bit:
+            # Narrowed out by configure(): the runtime should not send it, and if it does the
+            # plugin still only sees what it subscribed to.
+            return None
         handler = getattr(self.plugin, name, None)
         if not callable(handler):
             return None
@@ -370,11 +560,21 @@ class Stub:
             self.request_timeout = request.request_timeout / 1000
         if request.registration_timeout > 0:
             self.registration_timeout = request.registration_timeout / 1000
-        await self._call_plugin(
+        wanted = await self._call_plugin(
             "configure", request.config, request.runtime_name, request.runtime_version
         )
-        events = self.events & VALID_EVENTS_BEFORE_0_10
-        return pb.ConfigureResponse(events=events).SerializeToString()
+        try:
+            events = narrowed_events(self.handled_events, wanted)
+        except (SubscriptionError, TypeError) as err:
+            # Answered as an error: the runtime then drops the connection, as it does for a
+            # Go plugin whose Configure asks for events it cannot handle.
+            log.error("refusing the plugin's subscription: %s", err)
+            raise
+        self.events = events & VALID_EVENTS_BEFORE_0_10
+        if self.events != self.handled_events:
+            log.info("configure() narrowed the subscription to %s", describe_events(self.events))
+        self._configured = True
+        return pb.ConfigureResponse(events=self.events).SerializeToString()
 
     async def _synchronize(self, payload: bytes) -> bytes:
         request = pb.SynchronizeRequest.FromString(payload)
