@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source.add_argument("--sysfs", metavar="ROOT", help="discover from this sysfs root")
     alloc.add_argument("--available", type=_cpulist, required=True, metavar="LIST")
-    alloc.add_argument("--count", type=int, required=True, metavar="N")
+    alloc.add_argument(
+        "--count", type=int, required=True, metavar="N", help="CPUs to choose (0: an empty line)"
+    )
     alloc.add_argument(
         "--option", action="append", default=[], metavar="NAME", help=", ".join(KNOWN_OPTIONS)
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sysfs_gen import MachineSpec
 from topologies import topology
 
 from nri_cpuplugin.core.allocator import (
@@ -21,17 +22,42 @@ from nri_cpuplugin.core.allocator import (
     validate_options,
 )
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.topology import Topology
 
 P = CPUSet.parse
 
+# SMT4 with adjacent siblings (POWER9 style): 8 cores x 4 threads, 2 NUMA nodes, one L3; 32 CPUs.
+# The only machine here where cores spanned and threads on shared cores tell picks apart.  Kept
+# out of topologies.NAMED, whose machines each need hand-written sizes in test_topology.py.
+SMT4 = MachineSpec(
+    name="smt4-2numa",
+    sockets=1,
+    cores_per_socket=8,
+    threads_per_core=4,
+    numa_per_socket=2,
+    numbering="adjacent",
+)
 
-def all_but(name: str, taken: str) -> CPUSet:
+
+def all_but(name: str | MachineSpec, taken: str) -> CPUSet:
     return topology(name).online - P(taken)
 
 
 # Xeon E5-2680 v3 node: socket 0 = cores 0-11 (+24-35), socket 1 = cores 12-23 (+36-47).
 # SNC: NUMA 0 = 0-7,32-39  NUMA 1 = 8-15,40-47  NUMA 2 = 16-23,48-55  NUMA 3 = 24-31,56-63.
 # EPYC NPS4: NUMA n = cores 16n..16n+15; LLC groups of 8 cores: 0-7,64-71 / 8-15,72-79 / ...
+# SMT4 (adjacent siblings): core k = 4k..4k+3; NUMA 0 = cores 0-3 (0-15), NUMA 1 = 16-31.
+
+# Other containers hold one thread of many cores, as in the `allocate` reports behind rule 4.
+# SNC: NUMA 0 keeps only single threads 34-39 (cores 2-7 half held, cores 0-1 wholly held);
+# NUMA 1 has whole cores 9-15 and the free half 40 of core 8.  NUMA 0 is the tighter fit.
+SNC_SINGLES = all_but("snc-2s-2numa", "0-8,32-33")
+# Xeon: socket 0 keeps single threads 30-35 only; socket 1 is free.
+XEON_SINGLES = all_but("xeon-e5-2680v3-2s", "0-11,24-29")
+# EPYC NUMA 0: LLC 0 keeps single threads 64-71 only; LLC 1 has whole cores 9-15 and 72 (core 8).
+EPYC_SINGLES = all_but("epyc-1s-4numa", "0-8")
+# SMT4: NUMA 0 has 3 free threads on each core; NUMA 1 whole cores 5-7 and 17-19 (core 4).
+SMT4_SINGLES = all_but(SMT4, "0,4,8,12,16")
 CASES = [
     # (id, topology, available (None = all online), count, options, expected)
     ("one cpu: lowest id", "xeon-e5-2680v3-2s", None, 1, (), "0"),
@@ -134,6 +160,79 @@ CASES = [
         (DISTRIBUTE_ACROSS_CORES,),
         "0-3",
     ),
+    # Whole cores before leftover threads: as few cores as the alignment allows, then best fit.
+    (
+        "snc singles: 5 = two whole cores and the thread completing a half-used core",
+        "snc-2s-2numa",
+        SNC_SINGLES,
+        5,
+        (),
+        "9-10,40-42",
+    ),
+    ("snc singles: 4 = two whole cores", "snc-2s-2numa", SNC_SINGLES, 4, (), "9-10,41-42"),
+    (
+        "snc singles: same with the uncore cache option",
+        "snc-2s-2numa",
+        SNC_SINGLES,
+        5,
+        (PREFER_ALIGN_BY_UNCORECACHE,),
+        "9-10,40-42",
+    ),
+    (
+        "snc singles: 4 with the uncore cache option",
+        "snc-2s-2numa",
+        SNC_SINGLES,
+        4,
+        (PREFER_ALIGN_BY_UNCORECACHE,),
+        "9-10,41-42",
+    ),
+    ("snc singles: 1 cpu still completes a core", "snc-2s-2numa", SNC_SINGLES, 1, (), "34"),
+    (
+        "snc singles: a numa node's worth still stays in one node",
+        "snc-2s-2numa",
+        SNC_SINGLES,
+        15,
+        (),
+        "9-15,40-47",
+    ),
+    (
+        "xeon singles: a whole core of the roomy socket",
+        "xeon-e5-2680v3-2s",
+        XEON_SINGLES,
+        2,
+        (),
+        "12,36",
+    ),
+    ("xeon singles: 3 = a core and a thread", "xeon-e5-2680v3-2s", XEON_SINGLES, 3, (), "12-13,36"),
+    (
+        "epyc singles: the llc group with whole cores",
+        "epyc-1s-4numa",
+        EPYC_SINGLES,
+        4,
+        (),
+        "9-10,73-74",
+    ),
+    ("epyc singles: 5 completes core 8", "epyc-1s-4numa", EPYC_SINGLES, 5, (), "9-10,72-74"),
+    ("epyc singles: 8 = four whole cores", "epyc-1s-4numa", EPYC_SINGLES, 8, (), "9-12,73-76"),
+    ("smt4 singles: 3 fit one core, tightest", SMT4, SMT4_SINGLES, 3, (), "1-3"),
+    ("smt4 singles: 4 = a whole core", SMT4, SMT4_SINGLES, 4, (), "20-23"),
+    (
+        "smt4 singles: 6 = a whole core plus 2, not two 3/4 cores",
+        SMT4,
+        SMT4_SINGLES,
+        6,
+        (),
+        "17-18,20-23",
+    ),
+    ("smt4 singles: 9 = two whole cores plus 1", SMT4, SMT4_SINGLES, 9, (), "17,20-27"),
+    (
+        "distribute across cores: singles are what it asks for",
+        "snc-2s-2numa",
+        SNC_SINGLES,
+        4,
+        (DISTRIBUTE_ACROSS_CORES,),
+        "34-37",
+    ),
     (
         "uncore cache option is accepted; packing is the default",
         "epyc-1s-4numa",
@@ -206,7 +305,7 @@ def test_align_by_socket_needs_numa_nodes_at_least_sockets():
     ("available", "count", "options", "message"),
     [
         ("0-3", 5, (), "cannot allocate 5 CPUs: only 4 available (0-3)"),
-        ("0-3", 0, (), "count must be positive"),
+        ("0-3", -1, (), "count must not be negative"),
         ("0-47", 3, (FULL_PCPUS_ONLY,), "must be a multiple of 2"),
         ("0-3,24", 4, (FULL_PCPUS_ONLY,), "only 1 whole free cores (0,24)"),
         ("0-3,99", 1, (), "CPUs 99 are not online"),
@@ -215,6 +314,15 @@ def test_align_by_socket_needs_numa_nodes_at_least_sockets():
 def test_unsatisfiable_requests_explain_themselves(available, count, options, message):
     with pytest.raises(AllocationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         allocate(topology("xeon-e5-2680v3-2s"), P(available), count, options)
+
+
+@pytest.mark.parametrize("options", [(), (FULL_PCPUS_ONLY,), (DISTRIBUTE_ACROSS_NUMA,)])
+def test_zero_cpus_is_the_empty_set(options):
+    # As kubelet: a container that needs no exclusive CPU gets none, not an error - even when
+    # nothing is free.
+    t = topology("xeon-e5-2680v3-2s")
+    for available in (t.online, CPUSet()):
+        assert allocate(t, available, 0, options) == CPUSet()
 
 
 @pytest.mark.parametrize(
@@ -250,6 +358,7 @@ MACHINES = [
     "adjacent-siblings",
     "no-numa-no-l3",
     "multi-die-2s",
+    SMT4,
 ]
 
 
@@ -273,6 +382,37 @@ def test_result_is_a_well_aligned_subset(request_):
     for groups, attr in ((t.numa_nodes, "numa"), (t.llc_groups, "l3"), (t.sockets, "socket")):
         if any(len(g & avail) >= count for g in groups.values()):
             assert len({getattr(t.by_id[c], attr) for c in chosen}) == 1, attr
+
+
+def _fewest_cores(t: Topology, cpus: set[int], count: int) -> int:
+    """How few physical cores can hold ``count`` of ``cpus``: the freest cores first."""
+    free = sorted((len(core & cpus) for core in t.cores.values()), reverse=True)
+    total = 0
+    for used, on_core in enumerate(free, start=1):
+        total += on_core
+        if total >= count:
+            return used
+    raise AssertionError("not enough CPUs")
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_spans_as_few_cores_as_its_alignment_allows(request_):
+    # Random availability leaves many cores half held, as other containers' single threads
+    # do.  Whenever one NUMA x socket x LLC part can hold the request, the result lies in one
+    # such part (rules 1-3) and uses no more cores than the best such part needs (rule 4).
+    t, avail, count = request_
+    parts: dict[tuple, set[int]] = {}
+    for cpu in avail:
+        info = t.by_id[cpu]
+        parts.setdefault((info.numa, info.socket, info.l3), set()).add(cpu)
+    fitting = [cpus for cpus in parts.values() if len(cpus) >= count]
+    if not fitting:
+        return
+    chosen = allocate(t, avail, count)
+    assert len({(t.by_id[c].numa, t.by_id[c].socket, t.by_id[c].l3) for c in chosen}) == 1
+    spanned = len({t.by_id[c].core for c in chosen})
+    assert spanned == min(_fewest_cores(t, cpus, count) for cpus in fitting)
 
 
 @settings(max_examples=150, deadline=None)

@@ -24,6 +24,11 @@ def epyc(tmp_path_factory):
     return build("epyc-1s-4numa", tmp_path_factory.mktemp("sysfs"))
 
 
+@pytest.fixture(scope="module")
+def snc(tmp_path_factory):
+    return build("snc-2s-2numa", tmp_path_factory.mktemp("sysfs"))
+
+
 def test_topology_json_schema(epyc):
     root, _ = epyc
     result = cli("topology", "--sysfs", str(root), "--json")
@@ -115,6 +120,32 @@ def test_allocate_errors_are_one_line_with_exit_code(epyc, args, code, stderr):
     assert result.stdout == ""
     if code == 1:
         assert result.stderr.count("\n") == 1  # one-line reason
+
+
+def test_allocate_zero_prints_an_empty_line(epyc):
+    # kubelet's allocator returns the empty set for 0; so do we, even with nothing free.
+    root, _ = epyc
+    for available in ("0-127", "0-1"):
+        result = cli(
+            "allocate", "--sysfs", str(root), "--available", available, "--reserved", "0-1",
+            "--count", "0",
+        )  # fmt: skip
+        assert (result.returncode, result.stdout, result.stderr) == (0, "\n", "")
+
+
+@pytest.mark.parametrize("option", [[], ["--option", "prefer-align-cpus-by-uncorecache"]])
+@pytest.mark.parametrize(("count", "expected"), [(5, "9-10,40-42\n"), (4, "9-10,41-42\n")])
+def test_allocate_takes_whole_cores_before_other_containers_threads(snc, option, count, expected):
+    # Dual-socket SNC node, siblings N and N+32.  Other containers hold 0-8 and 32-33: NUMA 0
+    # keeps only single threads (34-39) beside theirs and is the tighter fit; NUMA 1 has whole
+    # free cores 9-15 and 40, the free half of core 8.  Whole cores win (3 cores for 5 CPUs,
+    # one shared), as kubelet would choose, not 5 single threads on 5 shared cores.
+    root, _ = snc
+    result = cli(
+        "allocate", "--sysfs", str(root), "--available", "9-31,34-63", "--count", str(count),
+        *option,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (0, expected), result.stderr
 
 
 def test_reserved_cpus_are_never_chosen(epyc):

@@ -12,8 +12,7 @@ import pytest
 from fake_runtime import FakeRuntime
 from topologies import build
 
-from nri_cpuplugin.audit import Audit
-from nri_cpuplugin.config import Settings
+from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.nri import stub as stub_module
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.nri.stub import (
@@ -23,7 +22,8 @@ from nri_cpuplugin.nri.stub import (
     event_mask,
     narrowed_events,
 )
-from nri_cpuplugin.plugin import CPUPlugin
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
 
 
 class Recorder:

@@ -23,10 +23,23 @@ Candidates are compared by a score, lowest wins, in this order:
 1. NUMA nodes spanned (sockets first with ``align-by-socket``),
 2. sockets spanned,
 3. LLC groups spanned,
-4. cores left partly used (touched by this request but with free threads remaining),
-5. best fit: free CPUs remaining in the NUMA nodes, then the LLC groups, we touched (a tight
+4. physical cores spanned, then threads on cores the container does not have to itself: for a
+   given count, the fewer cores, the more of them are wholly this container's, so the fewer
+   of its threads have another tenant (another container now, or later on a sibling left
+   free) on their core.  With two threads per core the second measure follows from the
+   first; with four it tells one whole core plus one thread (one thread shared) from three
+   3/4-free cores.  Without this rule a NUMA node holding only single free threads beside
+   other containers' threads would win by best fit (rule 6) over a roomier node with whole
+   free cores,
+5. cores left partly used (touched by this request but with free threads remaining): among
+   picks spanning equally many cores, complete a half-used core rather than open a new one,
+6. best fit: free CPUs remaining in the NUMA nodes, then the LLC groups, we touched (a tight
    fit keeps other nodes whole for later, larger requests),
-6. the lowest CPU ids, so the result is deterministic.
+7. the lowest CPU ids, so the result is deterministic.
+
+Rules 4 and 5 only ever choose between candidates that rules 1-3 rank equal, so a request that
+fits one NUMA node (one LLC group) still gets one.  With ``distribute-cpus-across-cores`` they
+are off: spreading over cores is what was asked for.
 
 This is never worse aligned than kubelet's static policy, whose order (whole sockets, whole
 cores, then threads on the fullest socket) is a special case of the same preferences.
@@ -132,7 +145,10 @@ class _Node:
 
 
 # Lower is better, field by field (see the module docstring).
-_Score = namedtuple("_Score", "primary secondary llcs partial_cores numa_leftover llc_leftover ids")
+_Score = namedtuple(
+    "_Score",
+    "primary secondary llcs cores shared_threads partial_cores numa_leftover llc_leftover ids",
+)
 
 
 class Allocator:
@@ -172,7 +188,10 @@ class Allocator:
     # --- public ---------------------------------------------------------------------------
 
     def allocate(self, available: Iterable[int], count: int) -> CPUSet:
-        """Choose ``count`` CPUs from ``available``; raise AllocationError if impossible."""
+        """Choose ``count`` CPUs from ``available``; raise AllocationError if impossible.
+
+        A count of 0 gives the empty set, as kubelet's allocator does: a container that needs
+        no exclusive CPU is not an error."""
         avail = frozenset(available)
         offline = avail - self._root.cpus
         if offline:
@@ -180,8 +199,10 @@ class Allocator:
                 f"CPUs {CPUSet(offline)} are not online CPUs of this topology "
                 f"(online: {self.topology.online})"
             )
-        if count <= 0:
-            raise AllocationError(f"cannot allocate {count} CPUs: the count must be positive")
+        if count < 0:
+            raise AllocationError(f"cannot allocate {count} CPUs: the count must not be negative")
+        if count == 0:
+            return CPUSet()
         if FULL_PCPUS_ONLY in self.options:
             avail = self._whole_free_cores(avail, count)
         if count > len(avail):
@@ -310,7 +331,13 @@ class Allocator:
         llcs = {self._llc[c] for c in pick}
         cores = {self._core[c] for c in pick}
         left = avail - pick
-        partial = sum(1 for core in cores if not self._core_cpus[core].isdisjoint(left))
+        partial = 0
+        shared_threads = 0
+        for core in cores:
+            core_cpus = self._core_cpus[core]
+            if not core_cpus <= pick:
+                shared_threads += len(core_cpus & pick)
+                partial += not core_cpus.isdisjoint(left)
         numa_left = sum(len(self._numa_cpus[x] & left) for x in numa)
         llc_left = sum(len(self._llc_cpus[x] & left) for x in llcs)
         first, second = (
@@ -318,9 +345,21 @@ class Allocator:
             if ALIGN_BY_SOCKET in self.options
             else (len(numa), len(sockets))
         )
+        spanned = len(cores)
         if DISTRIBUTE_ACROSS_CORES in self.options:
-            partial = 0  # spreading over cores is the point; do not penalise it
-        return _Score(first, second, len(llcs), partial, numa_left, llc_left, tuple(sorted(pick)))
+            # Spreading over cores is the point; do not penalise it.
+            spanned = shared_threads = partial = 0
+        return _Score(
+            first,
+            second,
+            len(llcs),
+            spanned,
+            shared_threads,
+            partial,
+            numa_left,
+            llc_left,
+            tuple(sorted(pick)),
+        )
 
 
 def _fewest_children(free_desc: list[int], n: int) -> int:
