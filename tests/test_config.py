@@ -79,3 +79,66 @@ def test_list_and_count_together_are_refused():
 def test_unreadable_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_file(tmp_path / "missing.toml")
+
+
+# -- metrics.listen: checked when the config is read, not when the daemon binds ----------------
+
+
+@pytest.mark.parametrize(
+    ("listen", "host", "port"),
+    [
+        ("127.0.0.1:9464", "127.0.0.1", 9464),
+        ("0.0.0.0:1", "0.0.0.0", 1),
+        ("[::1]:9100", "::1", 9100),
+        ("[::]:65535", "::", 65535),
+        ("[fe80::1%eth0]:9100", "fe80::1%eth0", 9100),
+        ("localhost:9100", "localhost", 9100),
+        ("node-7.example.com:9100", "node-7.example.com", 9100),
+        ("metrics.:9100", "metrics.", 9100),
+        (":9464", "", 9464),  # every address, as before
+    ],
+)
+def test_metrics_listen_accepted(listen, host, port):
+    from nri_cpuplugin.ops.config import parse_listen  # the split the metrics server binds with
+
+    assert parse_toml(f'[metrics]\nlisten = "{listen}"', "t.toml") == {"metrics_listen": listen}
+    assert parse_listen(listen) == (host, port)
+
+
+@pytest.mark.parametrize(
+    ("listen", "reason"),
+    [
+        (":notaport", "port 'notaport' is not a number"),
+        ("127.0.0.1:99999", "port 99999 is out of range"),
+        ("127.0.0.1:0", "port 0"),
+        ("127.0.0.1:-1", "port '-1' is not a number"),
+        ("127.0.0.1:9 100", "port '9 100' is not a number"),
+        ("127.0.0.1:", "no port"),
+        ("127.0.0.1", "no port"),
+        ("999.1.1.1:9100", "'999.1.1.1' is not an IPv4 address"),
+        ("10.1.1:9100", "'10.1.1' is not an IPv4 address"),
+        ("::1:9100", "IPv6 addresses go in brackets"),
+        ("[::1]9100", "no port"),
+        ("[not:v6]:9100", "'not:v6' is not an IPv6 address"),
+        ("[127.0.0.1]:9100", "'127.0.0.1' is not an IPv6 address"),
+        ("-bad-.example:9100", "'-bad-.example' is not an IP address or a host name"),
+        ("under_score:9100", "is not an IP address or a host name"),
+        ("a..b:9100", "is not an IP address or a host name"),
+        ("host.123:9100", "is not an IP address or a host name"),
+        ("http://127.0.0.1:9100", "is not an IP address or a host name"),
+        ("", "no port"),
+    ],
+)
+def test_metrics_listen_refused_naming_the_key_and_the_accepted_forms(listen, reason):
+    with pytest.raises(ConfigError) as err:
+        parse_toml(f'[metrics]\nlisten = "{listen}"', "t.toml")
+    message = str(err.value)
+    assert message.startswith(f"t.toml: metrics.listen = {listen!r}: "), message
+    assert reason in message
+    assert "HOST:PORT" in message and "1-65535" in message and "[::1]:9464" in message
+
+
+@pytest.mark.parametrize("value", ["9100", "[1, 2]", "{ host = 'a' }"])
+def test_metrics_listen_must_be_a_string(value):
+    with pytest.raises(ConfigError, match=r"metrics\.listen = .*: expected HOST:PORT"):
+        parse_toml(f"[metrics]\nlisten = {value}", "t.toml")

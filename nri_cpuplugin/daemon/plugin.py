@@ -129,12 +129,28 @@ class CPUPlugin:
     # --- metrics -------------------------------------------------------------------------------
 
     async def start_metrics(self) -> None:
-        """Serve /metrics if configured (once); safe to call again after reconfiguration."""
+        """Serve /metrics if configured (once); safe to call again after reconfiguration.
+        Never raises: pinning matters more than being observed, so an address that cannot be
+        bound gets one warning and the daemon runs without metrics."""
         listen = self.settings.metrics_listen
         if listen is None or self._metrics_server is not None:
             return
-        self.metrics = Metrics()
-        self._metrics_server = await self.metrics.serve(listen)
+        metrics = Metrics()
+        try:
+            self._metrics_server = await metrics.serve(listen)
+        except (OSError, ValueError) as err:
+            # False: tried; not again at every reconnect (one warning, not one per runtime
+            # restart).  Restart the daemon once the address is free.
+            self._metrics_server = False
+            reason = getattr(err, "strerror", None) or str(err)
+            self.audit.record(
+                "metrics-failed",
+                f"cannot serve metrics on {listen}: {reason}; running without metrics",
+                audit_mod.WARNING,
+                reason=reason,
+            )
+            return
+        self.metrics = metrics
         if self.state is not None:
             self.metrics.observe_state(self.state, self.policy.topology)
 

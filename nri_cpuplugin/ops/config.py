@@ -24,6 +24,13 @@ DEFAULT_STATE_DIR = "/var/lib/nri-cpuplugin"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CFS_QUOTA_MODES = ("unlimited", "keep")
 _PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+# A host name label (RFC 1123): letters, digits and inner hyphens, at most 63 characters.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+LISTEN_FORM = (
+    "expected HOST:PORT with HOST an IPv4 address, an IPv6 address in brackets, a host name or "
+    'localhost (empty: every address) and PORT a number 1-65535, like "127.0.0.1:9464" or '
+    '"[::1]:9464"'
+)
 
 
 class ConfigError(ValueError):
@@ -130,6 +137,63 @@ def merge(base: Settings, *layers: Mapping[str, Any]) -> Settings:
     return settings
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host without brackets, "" for every address; port 0-65535).
+
+    Checked here, when the configuration is read, so that a typo is refused at start with the
+    key named instead of surfacing later as a bind error.  Host names are only checked for
+    their form: resolving them would make reading the config depend on DNS.  ValueError says
+    what is wrong."""
+    import ipaddress  # here: only a config that sets metrics.listen needs it
+
+    if value.startswith("["):
+        host, bracket, rest = value[1:].partition("]")
+        if not bracket:
+            raise ValueError("no closing ] after the IPv6 address")
+        if not rest.startswith(":"):
+            raise ValueError("no port after the IPv6 address")
+        port = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address") from None
+    else:
+        host, colon, port = value.rpartition(":")
+        if not colon:
+            raise ValueError("no port")
+        if ":" in host:
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                raise ValueError(f"{host!r} is not an IP address or a host name") from None
+            raise ValueError("IPv6 addresses go in brackets, like [::1]:9464")
+    if not port:
+        raise ValueError("no port")
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"port {port!r} is not a number")
+    number = int(port) if len(port) <= 5 else 65536  # int() of a huge string is slow
+    if number > 65535:
+        raise ValueError(f"port {port} is out of range")
+    if value.startswith("[") or not host:
+        return host, number
+    if all(c.isdigit() or c == "." for c in host):  # meant as an IPv4 address
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv4 address") from None
+        return host, number
+    name = host.removesuffix(".")  # a trailing dot: fully qualified
+    labels = name.split(".")
+    if (
+        len(name) > 253
+        or not name.isascii()
+        or not all(_HOST_LABEL.fullmatch(label) for label in labels)
+        or labels[-1].isdigit()  # a numeric top-level label is a mistyped address, not a name
+    ):
+        raise ValueError(f"{host!r} is not an IP address or a host name")
+    return host, number
+
+
 def _unknown(source: str, key: str) -> ConfigError:
     return ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(KNOWN_KEYS)}")
 
@@ -174,6 +238,17 @@ def _check(field: str, value: Any, where: str) -> Any:
     if field == "nri_name":
         if not (isinstance(value, str) and _PLUGIN_NAME.fullmatch(value)):
             raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
+        return value
+    if field == "metrics_listen":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r}: {LISTEN_FORM}")
+        try:
+            _, port = parse_listen(value)
+        except ValueError as err:
+            raise ConfigError(f"{where} = {value!r}: {err}; {LISTEN_FORM}") from None
+        if port == 0:
+            # The kernel would pick a port nobody knows to scrape.
+            raise ConfigError(f"{where} = {value!r}: port 0 picks a random port; {LISTEN_FORM}")
         return value
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where} = {value!r}: expected a non-empty string")

@@ -15,15 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..core.state import NodeState
 from ..core.topology import Topology
+from .config import parse_listen
 
 log = logging.getLogger("nri_cpuplugin")
 PREFIX = "nri_cpuplugin"
 # Handler latencies: well below the runtime's 2 s budget is what matters.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+# The endpoint shares the daemon's file descriptors with the NRI path (state lock, state file,
+# runtime socket): whatever clients do, it must hold only a fixed share of them.
+MAX_CONNECTIONS = 64  # held at once; beyond that one is closed at once (see _Endpoint)
+# Listen queue, and also how many connections asyncio accepts in one go before any of them is
+# turned away: under a burst the endpoint's descriptors peak at MAX_CONNECTIONS plus a couple
+# of such batches, for an instant (128 measured with 2,000 connections at once).
+ACCEPT_BACKLOG = 32
+REQUEST_TIMEOUT = 5.0  # seconds from accept to close; a scrape takes milliseconds
+MAX_REQUEST = 8192  # bytes of request line and headers; Prometheus sends a few hundred
 
 
 class NoMetrics:
@@ -101,30 +113,119 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     async def serve(self, listen: str) -> asyncio.Server:
-        """A minimal HTTP/1.0 endpoint: GET /metrics, anything else 404."""
-        host, _, port = listen.rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"metrics listen address {listen!r}: expected HOST:PORT")
-        server = await asyncio.start_server(self._handle, host.strip("[]") or None, int(port))
+        """A minimal HTTP/1.0 endpoint: GET /metrics, anything else 404.  OSError when the
+        address cannot be bound (in use, not local, name not resolved); the caller decides
+        what that means for the daemon."""
+        host, port = parse_listen(listen)
+        endpoint = _Endpoint(self.render)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _Connection(endpoint), host or None, port, backlog=ACCEPT_BACKLOG
+        )
         log.info("metrics on http://%s/metrics", listen)
         return server
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            method, path, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split()
-            if method == "GET" and path.split("?")[0] == "/metrics":
-                body, content_type = self.render()
-                status = "200 OK"
-            else:
-                body, content_type, status = b"not found\n", "text/plain", "404 Not Found"
-            head = (
-                f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
-            pass  # a broken or slow client gets nothing; the daemon carries on
-        finally:
-            writer.close()
+
+class _Endpoint:
+    """The connections of one listener, bounded in number.
+
+    When the cap is reached, the connection that has waited longest for its request is closed
+    to make room: a scraper sends its request the moment it connects, so idle connections -
+    however many - cannot lock it out; only connections already being answered are never cut
+    (if all are, the newcomer is closed instead)."""
+
+    def __init__(self, render: Callable[[], tuple[bytes, str]]) -> None:
+        self.render = render
+        self.waiting: dict[_Connection, None] = {}  # insertion order: oldest first
+        self.answering: set[_Connection] = set()
+
+    def admit(self, connection: _Connection) -> bool:
+        if len(self.waiting) + len(self.answering) >= MAX_CONNECTIONS:
+            if not self.waiting:
+                return False
+            oldest = next(iter(self.waiting))
+            self.release(oldest)  # counted out now: its socket closes on the next loop turn
+            oldest.abort()
+        self.waiting[connection] = None
+        return True
+
+    def answered(self, connection: _Connection) -> None:
+        if connection in self.waiting:  # not if it was turned away meanwhile
+            del self.waiting[connection]
+            self.answering.add(connection)
+
+    def release(self, connection: _Connection) -> None:
+        self.waiting.pop(connection, None)
+        self.answering.discard(connection)
+
+
+class _Connection(asyncio.Protocol):
+    """One exchange: read the request head (bounded in size and time), answer, close.
+
+    A protocol rather than a stream handler task: every client behaviour - reset, half-close,
+    garbage, silence - ends in connection_lost() with nothing raised, so nothing is logged."""
+
+    def __init__(self, endpoint: _Endpoint) -> None:
+        self.endpoint = endpoint
+        self.transport: asyncio.Transport | None = None
+        self.request = bytearray()
+        self.done = False  # answered or turned away: later bytes are not read
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if not self.endpoint.admit(self):
+            self.abort()
+            return
+        # One deadline for the whole exchange, not per read: a client trickling a byte at a
+        # time, or never reading the answer, is cut off all the same.
+        self.deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if self.done:
+            return
+        self.request += data
+        head = self.request[:MAX_REQUEST]
+        if b"\r\n\r\n" in head or b"\n\n" in head:
+            self.answer()
+        elif len(self.request) >= MAX_REQUEST:
+            self.abort()  # a scraper's request is a few hundred bytes
+
+    def eof_received(self) -> bool:
+        # Half-closed after a request line without the blank line: nothing more will come.
+        if not self.done and b"\n" in self.request:
+            self.answer()
+        elif not self.done:
+            self.abort()
+        return False  # close once the answer is flushed
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # A reset or a broken pipe arrives here as exc: the client's business, not logged.
+        self.done = True
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.endpoint.release(self)
+
+    def abort(self) -> None:
+        self.done = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def answer(self) -> None:
+        assert self.transport is not None
+        self.done = True
+        self.endpoint.answered(self)
+        line = bytes(self.request.split(b"\n", 1)[0]).rstrip(b"\r")
+        words = line.split()
+        if len(words) not in (2, 3) or not words[1].startswith(b"/"):
+            body, content_type, status = b"bad request\n", "text/plain", "400 Bad Request"
+        elif words[0] == b"GET" and words[1].split(b"?", 1)[0] == b"/metrics":
+            (body, content_type), status = self.endpoint.render(), "200 OK"
+        else:
+            body, content_type, status = b"not found\n", "text/plain", "404 Not Found"
+        head = (
+            f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()  # after the answer is flushed; the deadline still applies

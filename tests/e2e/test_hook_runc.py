@@ -20,7 +20,7 @@ import pytest
 from harness import host
 from harness import runc as runc_harness
 from harness.runc import Runc, RuncContainer, pod
-from nri_cpuplugin.hook.entry.entry import FAULT_ENV
+from nri_cpuplugin.hook.entry.entry.entry import FAULT_ENV
 
 from e2e.ready import ready_or_fail
 from nri_cpuplugin.core.state import NodeState
