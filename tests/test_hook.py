@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
-from nri_cpuplugin.hook.entry.entry import entry as hook
-from nri_cpuplugin.hook.entry.entry import oci
-from nri_cpuplugin.hook.entry.entry.records import RECORDS_DIR
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.hook import oci
+from nri_cpuplugin.hook.records import RECORDS_DIR
 from nri_cpuplugin.ops.config import ConfigError
 from nri_cpuplugin.storage.store import StateStore
 

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
-from nri_cpuplugin.hook.entry.entry.runner import FAULT_ENV, FAULT_STEPS
+
+from nri_cpuplugin.hook.runner import FAULT_ENV, FAULT_STEPS
 
 ALL = f"0-{host.online_cpus()[-1]}"
 LAST = str(host.online_cpus()[-1])

@@ -48,7 +48,7 @@ if entry == "cli":  # as the console script does, without importing the CLI's pa
     from nri_cpuplugin.cli import main
     code = main(sys.argv[1:])
 else:
-    from nri_cpuplugin.hook.entry.entry.entry import main
+    from nri_cpuplugin.hook.entry import main
     code = main(sys.argv[1:])
 loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in
                 {{"google", "grpc", "pyroute2", "filelock", "asyncio"}})

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from nri_cpuplugin.hook.entry.entry import launcher as hook_launcher
 
 from nri_cpuplugin.cli import main as cli_main
+from nri_cpuplugin.hook import launcher as hook_launcher
 
 
 def run(program: Path, *args: str, env: dict[str, str] | None = None, stdin: bytes = b""):

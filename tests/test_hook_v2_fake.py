@@ -14,14 +14,14 @@ import json
 from pathlib import Path
 
 import pytest
-from nri_cpuplugin.hook.entry.entry import entry as hook
-from nri_cpuplugin.hook.entry.entry import oci, topology_cache
 from test_cgroupfs_v2_fake import FakeV2
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.core.workload import from_nri
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.hook import oci, topology_cache
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings

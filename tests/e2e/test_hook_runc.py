@@ -20,10 +20,10 @@ import pytest
 from harness import host
 from harness import runc as runc_harness
 from harness.runc import Runc, RuncContainer, pod
-from nri_cpuplugin.hook.entry.entry.entry import FAULT_ENV
 
 from e2e.ready import ready_or_fail
 from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.hook.entry import FAULT_ENV
 from nri_cpuplugin.storage.store import StateStore
 
 CPUS = host.online_cpus()

@@ -50,7 +50,7 @@ class RuncError(RuntimeError):
 def hook_program(directory: Path, python: Path = VENV_PYTHON) -> Path:
     """The hook as installed: the launcher ``nri-cpuplugin install-hook`` writes (the absolute
     interpreter in its shebang, as runtimes give hooks no PATH; started with -I -S)."""
-    from nri_cpuplugin.hook.entry.entry import launcher as hook_launcher
+    from nri_cpuplugin.hook import launcher as hook_launcher
 
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / "nri-cpuplugin-hook"
