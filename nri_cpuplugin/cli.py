@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["hook"]:
         # The hook starts once per container: it parses its own few options rather than pay
-        # for this parser, and imports only what it needs (tests/test_hook_imports.py).
+        # for this parser, and imports only what it needs (tests/system/test_hook_imports.py).
         from .hook import entry
 
         return entry.main(argv[1:])

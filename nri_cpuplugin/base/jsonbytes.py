@@ -6,7 +6,7 @@ costs it ~25 ms (orjson loads datetime, uuid, dataclasses and json itself), more
 work, so the hook calls ``use_stdlib()`` first (for the whole process).  For what we write -
 objects with string keys, lists, strings, 64-bit integers, booleans and null; never floats,
 whose text differs - both produce identical bytes, sorted or not, compact or indented
-(tests/test_jsonbytes.py checks this with generated documents), so a checksum one process
+(tests/unit/test_jsonbytes.py checks this with generated documents), so a checksum one process
 wrote verifies in the other.  Reading, the standard library is held to orjson's rules: UTF-8
 only, no NaN or infinite numbers, no lone surrogates, and input nested too deeply is a
 DecodeError like any other bad input, never a RecursionError.

@@ -7,7 +7,7 @@ interpreter it starts first scans site-packages (``.pth`` files, sitecustomize),
 script imports ``re`` before our code runs.  The launcher starts the same interpreter with
 ``-I -S`` - no site-packages scan (``.pth`` files, sitecustomize), no ``PYTHON*`` variables,
 no user site - and appends the directory holding this package to ``sys.path``, after the
-standard library as ``site`` would: the hook needs nothing else (tests/test_hook_imports.py).
+standard library as ``site`` would: the hook needs nothing else (tests/system/test_hook_imports.py).
 It also skips garbage collection and the interpreter's teardown, which a process that lives a
 few milliseconds does not need (``hook.launch``).  Together a fifth of the hook's time
 (docs/benchmarks.md compares the launcher with the console script).

@@ -9,7 +9,7 @@ no preference, and the audit trail and ``status`` say so.  A generated sysfs tre
 this machine's CPUs (so the runtime can apply the cpusets) but puts the NIC's device on NUMA 0
 (a FAKE device entry) shows a preference honoured, and strict locality failing cleanly through
 CRI when the NIC's node has no free CPU.  Multi-node placement is covered with real namespaces
-and generated 2- and 8-node machines in tests/test_nic.py.
+and generated 2- and 8-node machines in tests/system/test_nic.py.
 """
 
 from __future__ import annotations

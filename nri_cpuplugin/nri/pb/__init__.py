@@ -9,6 +9,6 @@ needs only the ``protobuf`` runtime:
 - ``ttrpc_status_pb2``: ``Status``, the error status inside a ttrpc Response (upstream gives
   it no package, so it lives in a file of its own).
 
-tests/test_api_proto.py checks the schemas against upstream's and the files against a fresh
+tests/system/test_api_proto.py checks the schemas against upstream's and the files against a fresh
 compile.
 """

@@ -1,6 +1,6 @@
 """The hook, in process, on a FAKE cgroup v2 tree, a fake /proc and a generated 48-CPU sysfs.
 
-Same node and the same two containers as tests/test_plugin.py's first test: the hook must
+Same node and the same two containers as tests/unit/test_plugin.py's first test: the hook must
 reach exactly the decision the NRI plugin reaches (db gets CPUs 1,25 on NUMA node 0, CFS quota
 lifted; the shared container shrinks to 0,2-24,26-47), and write it as cgroup v2 files.
 The fake's ``cpuset.cpus.effective`` files hold what the kernel would report (plain files
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cgroupfs_v2_fake import FakeV2
+from fake_cgroup_v2 import FakeV2
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -103,7 +103,7 @@ def test_same_decision_as_the_nri_plugin_written_as_v2_files(node: Node) -> None
     (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0,2-24,26-47\n")
     assert node.hook("postgres", db_pid) == (0, "")
 
-    assert node.fake.read(db, "cpuset.cpus") == "1,25"  # as tests/test_plugin.py
+    assert node.fake.read(db, "cpuset.cpus") == "1,25"  # as tests/unit/test_plugin.py
     assert node.fake.read(db, "cpuset.mems") == "0"
     assert node.fake.read(db, "cpu.max") == "max 100000"
     assert node.fake.read(web, "cpuset.cpus") == "0,2-24,26-47"

@@ -34,7 +34,7 @@ from google.protobuf import descriptor_pb2
 from nri_cpuplugin.nri.pb import nri_pb2, ttrpc_pb2, ttrpc_status_pb2
 from tests.harness import debs, packages
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PB_DIR = REPO / "nri_cpuplugin" / "nri" / "pb"
 PROTOC_ARGS = ["-Inri_cpuplugin/nri/pb=api", "--python_out={out}", "--pyi_out={out}"]  # as ./dev
 

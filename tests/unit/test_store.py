@@ -36,7 +36,7 @@ from nri_cpuplugin.storage.store import (
     StateStore,
 )
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 WRITER = TESTS / "_store_crash_writer.py"
 

@@ -48,7 +48,7 @@ from nri_cpuplugin.ops.config import (
     parse_toml,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
 UNIT = PACKAGING / "systemd/nri-cpuplugin.service"
 BACKOFF = PACKAGING / "systemd/nri-cpuplugin.service.d/backoff.conf"

@@ -33,7 +33,7 @@ from nri_cpuplugin.ops.metrics import Metrics, NoMetrics
 
 CAP = 64  # connections the endpoint may hold at once (the figure)
 FLOOD = 2000  # idle connections, as in the report that exhausted the daemon's descriptors
-UNIT = Path(__file__).resolve().parents[1] / "packaging" / "systemd" / "nri-cpuplugin.service"
+UNIT = Path(__file__).resolve().parents[2] / "packaging" / "systemd" / "nri-cpuplugin.service"
 
 
 def open_fds() -> int:

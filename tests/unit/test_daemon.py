@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from fake_runtime import FakeRuntime
-from test_plugin import container, pod
+from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.nri.pb import nri_pb2 as pb

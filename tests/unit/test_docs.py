@@ -8,7 +8,7 @@ from pathlib import Path
 from nri_cpuplugin.ops.config import KNOWN_KEYS, Settings
 from nri_cpuplugin.ops.metrics import Metrics
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operator-guide.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "operator-guide.md"
 
 
 def table(marker: str) -> list[list[str]]:
