@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from topologies import topology
+from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
@@ -37,16 +37,6 @@ def wl(cpus: int, name: str | None = None, pod: str = "pod-a") -> Workload:
         cpu_request_milli=cpus * 1000,
         cpu_limit_milli=cpus * 1000,
     )
-
-
-def offline(base: Topology, cpus: str) -> Topology:
-    """``base`` with ``cpus`` offline, as discover() would report it (no ids for them)."""
-    gone = P(cpus)
-    doc = base.as_dict()
-    for entry in doc["cpus"]:
-        if entry["id"] in gone:
-            entry.update(socket=None, die=None, numa=None, l3=None, core=None, online=False)
-    return Topology.from_dict(doc)
 
 
 def follow(policy: StaticPolicy, state: NodeState, topo: Topology, previous=None):
