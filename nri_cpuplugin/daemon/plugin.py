@@ -25,9 +25,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Outcome, Target
+from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
-from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.topology import TopologyError, discover
 from ..core.workload import Workload, from_nri
@@ -417,7 +416,7 @@ class CPUPlugin:
             applied = hotplug.apply(layout, targets, self.proc)
             errors += applied.errors
             returned = applied.returned
-        hotplug.audit_repairs(self.audit, returned, errors)
+        self.audit.emit(hotplug.repair_events(returned, errors))
         return errors
 
     def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
@@ -445,7 +444,7 @@ class CPUPlugin:
                 with contextlib.suppress(cgroupfs.CgroupError):
                     moved = hotplug.return_evicted_tasks(fs, hotplug.cgroup_path(path), self.proc)
                     if moved:
-                        hotplug.audit_repairs(self.audit, {cid: moved}, [])
+                        self.audit.emit(hotplug.repair_events({cid: moved}, []))
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.events import WARNING
+from ..core.events import WARNING, AuditEvent, event
 from . import cgroupfs
 from .liveness import cgroup_path
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     import socket
     from typing import Any
 
-    from ..ops.audit import Audit
 
 KERNEL_GROUP = 1  # uevents as the kernel sends them (2 would be udevd's re-broadcast)
 RCVBUF = 1 << 20  # a burst (SMT switched off offlines half the CPUs at once) must fit
@@ -137,18 +136,24 @@ class UeventListener:
 # --- audit (daemon and hook) ---------------------------------------------------------------------
 
 
-def audit_repairs(audit: Audit, returned: dict[str, int], errors: list[str]) -> None:
-    """The records of one round of cgroup repairs: processes put back, and what failed."""
+def repair_events(returned: dict[str, int], errors: list[str]) -> list[AuditEvent]:
+    """The audit events of one round of cgroup repairs: processes put back, and what failed."""
+    events = []
     for cid, moved in sorted(returned.items()):
-        audit.record(
-            "cgroup-repair",
-            f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup v1 "
-            "had moved them out when the cpuset lost its last CPU)",
-            container_id=cid,
-            processes=moved,
+        events.append(
+            event(
+                "cgroup-repair",
+                f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup "
+                "v1 had moved them out when the cpuset lost its last CPU)",
+                container_id=cid,
+                processes=moved,
+            )
         )
     for error in errors:
-        audit.record("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
+        events.append(
+            event("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
+        )
+    return events
 
 
 # --- cgroup repairs ------------------------------------------------------------------------------

@@ -28,10 +28,9 @@ import os
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Loaded, Outcome, Target
+from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Loaded, Outcome, Target
 from ..core.events import DEBUG, WARNING
 from ..core.policy import PolicyError, StaticPolicy
-from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware import cgroupfs
@@ -426,9 +425,9 @@ class Hook:
         return returned, errors
 
     def _report_repairs(self, returned: dict[str, int], errors: list[str]) -> None:
-        from ..hardware.hotplug import audit_repairs
+        from ..hardware.hotplug import repair_events
 
-        audit_repairs(self.audit, returned, errors)
+        self.audit.emit(repair_events(returned, errors))
 
     # --- helpers ---------------------------------------------------------------------------
 
