@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from ..base.value import Value
 from .cpuset import CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
-from .policy import Decision, Followed, NICPreference, PolicyError, StaticPolicy
+from .follow import Followed, follow_online
+from .policy import Decision, NICPreference, PolicyError, StaticPolicy
 from .state import NodeState
 from .workload import Workload
 
@@ -132,7 +133,7 @@ class Engine:
         followed = None
         state = stored
         if state is not None and state.fingerprint != self.topology.fingerprint():
-            followed = policy.follow_online(state)
+            followed = follow_online(policy, state)
             events.append(
                 event(
                     "state-repair",
@@ -295,7 +296,7 @@ class Engine:
         """The online CPUs changed (this engine's policy has the new topology; ``previous`` the
         old one): every assignment follows, and every container whose cpuset changed gets a
         target."""
-        followed = self.policy.follow_online(state, previous=previous.topology)
+        followed = follow_online(self.policy, state, previous=previous.topology)
         after = followed.state
         tracked = set(after.assignments) | set(after.sharing)
         targets = tuple(

@@ -8,6 +8,7 @@ import pytest
 from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.follow import follow_online
 from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
 from nri_cpuplugin.core.state import (
     Assignment,
@@ -41,7 +42,7 @@ def wl(cpus: int, name: str | None = None, pod: str = "pod-a") -> Workload:
 
 def follow(policy: StaticPolicy, state: NodeState, topo: Topology, previous=None):
     moved = StaticPolicy(topo, policy.reserved, policy.options)
-    return moved, moved.follow_online(state, previous=previous or policy.topology)
+    return moved, follow_online(moved, state, previous=previous or policy.topology)
 
 
 XEON = topology("xeon-e5-2680v3-2s")  # 2 sockets = 2 NUMA nodes; siblings N and N+24
@@ -154,7 +155,7 @@ def test_the_shared_pool_is_never_left_empty():
     big, state = policy.admit(state, wl(5))
     without_0 = offline(SMALL, "0")
     moved = StaticPolicy(without_0, P("0"))
-    result = moved.follow_online(state, previous=SMALL)
+    result = follow_online(moved, state, previous=SMALL)
     [change] = result.changes
     assert change.action == "preempted" and change.container_id == big.container_id
     assert result.state.shared == P("7")
