@@ -34,6 +34,7 @@ import errno
 import os
 from collections.abc import Iterable, Mapping
 
+from ..base.errors import PluginError
 from ..base.value import Value
 from ..core import annotation
 from ..core.cpuset import CPUSet
@@ -66,8 +67,10 @@ STACKED_KINDS = frozenset({"macvlan", "macvtap", "ipvlan", "ipvtap", "vlan"})
 NETWORK = "network"
 
 
-class NICError(Exception):
+class NICError(PluginError):
     """The pod's network namespace could not be inspected; the message says why."""
+
+    code = "nic"
 
 
 class NIC(Value):

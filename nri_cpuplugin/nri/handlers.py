@@ -12,6 +12,8 @@ import difflib
 import re
 from collections.abc import Iterable
 
+from ..base.errors import PluginError
+
 # Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
 # every NRI version; the stub never asks for more.
 EVENT_HANDLERS = {
@@ -60,8 +62,10 @@ PER_EVENT_METHODS = {
 }
 
 
-class SubscriptionError(ValueError):
+class SubscriptionError(PluginError, ValueError):
     """A Configure handler asked for events the plugin cannot serve."""
+
+    code = "subscription"
 
 
 _MISSING = object()

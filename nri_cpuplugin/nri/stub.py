@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..base.errors import PluginError
 from . import connection as wire
 from .errors import ProtocolError
 from .handlers import (
@@ -78,12 +79,16 @@ RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
 
-class RegistrationError(Exception):
+class RegistrationError(PluginError):
     """The runtime refused or ignored our RegisterPlugin."""
 
+    code = "registration"
 
-class UpdateError(Exception):
+
+class UpdateError(PluginError):
     """The runtime refused an unsolicited UpdateContainers."""
+
+    code = "update"
 
 
 class Stub:
