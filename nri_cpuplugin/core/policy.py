@@ -41,6 +41,9 @@ from .topology import Topology
 from .workload import GUARANTEED, Workload
 
 POLICY_NAME = "static"
+# Remembered stops (for restarts and init containers' CPUs): far more than the containers of a
+# dense node's pods restarting at once, small enough that every commit stays cheap.
+MAX_RELEASED = 512
 
 # Kept under these names for callers that predate core/annotations.py.
 EXCLUSIVE_ANNOTATION = annotation.EXCLUSIVE
@@ -339,6 +342,8 @@ class StaticPolicy:
             **state.released,
             (held.pod_uid, held.container_name): Released(held.cpus, held.kind),
         }
+        exclusive = CPUSet().union(*(a.cpus for a in assignments.values()))
+        released = _bounded(released, exclusive)
         new_state = state.evolve(assignments=assignments, released=released)
         after = self.shared_pool(new_state.exclusive)
         new_state = new_state.evolve(shared=after)
@@ -360,6 +365,19 @@ class StaticPolicy:
         self, cid: str, cpus: CPUSet, before: CPUSet, after: CPUSet, reason: str
     ) -> Decision:
         return Decision(cid, True, cpus, self.topology.numa_of(cpus), before, after, reason)
+
+
+def _bounded(released: dict, exclusive: CPUSet) -> dict:
+    """At most MAX_RELEASED remembered stops.  A missed RemovePodSandbox would otherwise keep its
+    pod's entries forever, and every commit would carry them.  Entries whose CPUs another
+    container holds go first (their restart could not get them back anyway), then the rest in
+    a stable order."""
+    if len(released) <= MAX_RELEASED:
+        return released
+    order = sorted(released, key=lambda key: (not (released[key].cpus & exclusive), key))
+    for key in order[: len(released) - MAX_RELEASED]:
+        del released[key]
+    return released
 
 
 def _owed(assignments: Mapping[str, Assignment]) -> CPUSet:

@@ -48,6 +48,9 @@ LOCK_TIMEOUT = 1.0
 # cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
 # repaired it: look again this long after an offline event (bounded; nothing runs when idle).
 EVICTION_RECHECKS = (0.1, 0.5, 2.0)
+# Containers known only from the state file are checked this many at a time, this often
+# (a check reads one or two cgroup files).
+SWEEP_INTERVAL, SWEEP_BATCH = 2.0, 32
 
 
 class CPUPlugin:
@@ -74,6 +77,8 @@ class CPUPlugin:
         # Set when the online set changed since the containers' cgroups were written (found at
         # load): the next Synchronize repairs the cgroups before the runtime applies updates.
         self._cgroups_stale = False
+        self._sweeping = False
+        self._swept_to = ""  # the last container id the sweep checked
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -105,9 +110,10 @@ class CPUPlugin:
             loaded = self.engine.load(result.state, result.problem, result.quarantined)
             if loaded.set_aside:
                 self.store.set_aside()
-            self.store.commit(loaded.state)
+            self.state = result.state  # what is on disk: _commit writes only a change
+            self._commit(Outcome(loaded.state))
         self.audit.emit(loaded.events)
-        state = self.state = loaded.state
+        state = self.state
         self.unverified = set(state.assignments) | set(state.sharing)
         if loaded.followed is not None and loaded.trusted:
             # Repair the containers we know now (containerd 1.7 sends a launched plugin no
@@ -115,14 +121,32 @@ class CPUPlugin:
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
 
-    def _commit(self, outcome: Outcome) -> Outcome:
-        """Commit the outcome's state (the caller holds the lock) before anything is applied."""
+    def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
+        """Commit the outcome's state (the caller holds the lock) before anything is applied.
+
+        A state that cannot be written (a full disk, a read-only directory) is kept in memory
+        and written with the next commit that succeeds - what shared containers run on can
+        always be derived again - unless ``durable``: an exclusive assignment that a crash
+        could forget must not be handed out, so the error goes to the caller."""
         new_state = outcome.state
-        if new_state is not self.state:
-            timing = self.store.commit(new_state)
+        if new_state == self.state:
             self.state = new_state
+            return outcome
+        try:
+            timing = self.store.commit(new_state)
+        except OSError as err:
+            if durable:
+                raise
+            self.audit.record(
+                "state-unsaved",
+                f"the state could not be written, kept in memory until it can: {err}",
+                audit_mod.WARNING,
+                reason=str(err),
+            )
+        else:
             self.metrics.observe_commit(timing.total_seconds)
-            self.metrics.observe_state(new_state, self.policy.topology)
+        self.state = new_state
+        self.metrics.observe_state(new_state, self.policy.topology)
         return outcome
 
     # --- metrics -------------------------------------------------------------------------------
@@ -168,6 +192,7 @@ class CPUPlugin:
             self._build(settings)
         if self.state is None:
             self.load_state()
+        self._start_sweep()
         self.start_hotplug()
         await self.start_metrics()
         self.metrics.set_connected(True)
@@ -220,15 +245,7 @@ class CPUPlugin:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
             locality = self._nic_locality(pod, workload)
             with self.store.locked():
-                self._forget_ended()
-                outcome = self._commit(
-                    self.engine.create(
-                        self.state,
-                        workload,
-                        locality.preference if locality else None,
-                        locality.note if locality else None,
-                    )
-                )
+                outcome = self._create(workload, locality)
         except PolicyError as err:
             self.metrics.pinning_request()
             self.metrics.pinning_error()
@@ -242,6 +259,30 @@ class CPUPlugin:
         _fill(adjust.linux.resources.cpu, mine)
         return adjust, [self._update(t) for t in siblings]
 
+    def _create(self, workload: Workload, locality: nic.Locality | None) -> Outcome:
+        """Decide and commit (the caller holds the lock).  When there is no room, containers
+        known only from the state file may have ended unseen: those holding exclusive CPUs
+        are checked, and the request is decided again.  Only then - so a creation never pays
+        for checking every container a restart left unverified."""
+        preference = locality.preference if locality else None
+        note = locality.note if locality else None
+        try:
+            outcome = self.engine.create(self.state, workload, preference, note)
+        except PolicyError as err:
+            if err.code != "refused" or not self._forget_ended(exclusive_only=True).events:
+                raise
+            outcome = self.engine.create(self.state, workload, preference, note)
+        exclusive = outcome.decision is not None and outcome.decision.exclusive
+        try:
+            return self._commit(outcome, durable=exclusive)
+        except OSError as err:
+            raise PolicyError(
+                f"exclusive CPUs {outcome.decision.cpus} for {workload.pod_namespace}/"
+                f"{workload.pod_name}/{workload.container_name} cannot be made durable: {err}; "
+                "free space there (or fix the state directory) and the pod will be retried",
+                "not-durable",
+            ) from None
+
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
@@ -253,12 +294,9 @@ class CPUPlugin:
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
         with self.store.locked():
-            ended = self._forget_ended()
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
-        # Siblings of containers found ended hear about the pool in the same reply.
-        targets = {t.container_id: t for t in (*ended.targets, *outcome.targets)}
-        return [self._update(t) for cid, t in targets.items() if cid != container.id]
+        return [self._update(t) for t in outcome.targets if t.container_id != container.id]
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
@@ -448,25 +486,63 @@ class CPUPlugin:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _forget_ended(self) -> Outcome:
-        """Release unverified containers whose cgroups show they have ended (see liveness.py);
-        the caller holds the lock."""
+    def _forget_ended(self, exclusive_only: bool = False, limit: int | None = None) -> Outcome:
+        """Release unverified containers whose cgroups show they have ended (see liveness.py):
+        those holding exclusive CPUs only, or the next ``limit`` of them in turn (the sweep);
+        the caller holds the lock.  Returns what was released (its events are recorded)."""
         state = self.state
+        candidates = sorted(self.unverified)
+        if exclusive_only:
+            candidates = [cid for cid in candidates if cid in state.assignments]
+        elif limit is not None:
+            # In turn: after the last one checked, wrapping around.
+            later = [cid for cid in candidates if cid > self._swept_to]
+            candidates = (later + [cid for cid in candidates if cid <= self._swept_to])[:limit]
+            if candidates:
+                self._swept_to = candidates[-1]
         ended = []
-        for cid in sorted(self.unverified):
+        for cid in candidates:
             if cid not in state.assignments and cid not in state.sharing:
                 self.unverified.discard(cid)
+            # Alive, or cannot tell: stays unverified (it may still end unseen, later).
             elif self.liveness.alive(state.cgroups.get(cid, "")) is False:
                 self.unverified.discard(cid)
                 ended.append(cid)
         if not ended:
             return Outcome(state)
-        outcome = self._commit(
-            self.engine.ended(state, ended, "its cgroup is gone or empty, and the runtime "
-                              "could not tell us")
-        )  # fmt: skip
+        why = "its cgroup is gone or empty, and the runtime could not tell us"
+        outcome = self._commit(self.engine.ended(state, ended, why))
         self.audit.emit(outcome.events)
         return outcome
+
+    def _start_sweep(self) -> None:
+        """Check the unverified containers a few at a time on the event loop, so the shared
+        pool grows back when some of them ended, without any event paying for all of them."""
+        if self._sweeping or not self.unverified:
+            return
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._sweeping = True
+        loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
+
+    def _sweep(self, loop: Any) -> None:
+        self._sweeping = False
+        if self.state is None or not self.unverified:
+            return
+        try:
+            with self.store.locked():
+                outcome = self._forget_ended(limit=SWEEP_BATCH)
+        except Exception as err:  # a busy lock or a full disk: try again later
+            log.warning("checking unverified containers failed: %s", err)
+        else:
+            self._push(outcome.targets)
+        if self.unverified:
+            self._sweeping = True
+            loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
 
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.

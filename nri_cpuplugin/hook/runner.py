@@ -188,20 +188,32 @@ class Hook:
             targets = {
                 c.workload.container_id: view.records[c.workload.container_id] for c in view.live
             }
-            if placed:
-                targets[workload.container_id] = Record(workload, cgroups)
-                self.records.write(dir_fd, targets[workload.container_id])
-                self._fault("recorded")
-            if view.loaded.set_aside:
-                store.set_aside()
-            if view.stored is None or state != view.stored:
-                store.commit(state)  # (a followed online set: its new fingerprint too)
+            exclusive = placed and outcome.decision.exclusive
+            durable, unsaved = True, ""
+            try:
+                if placed:
+                    targets[workload.container_id] = Record(workload, cgroups)
+                    self.records.write(dir_fd, targets[workload.container_id])
+                    self._fault("recorded")
+                if view.loaded.set_aside:
+                    store.set_aside()
+                if view.stored is None or state != view.stored:
+                    store.commit(state)  # (a followed online set: its new fingerprint too)
+            except OSError as err:
+                # A full disk must not stop containers that only share: where they run is
+                # derived again by the next run.  Exclusive CPUs a crash could forget are not
+                # handed out.
+                if exclusive:
+                    self.records.remove(dir_fd, [workload.container_id])
+                    raise
+                durable = False
+                unsaved = str(err)
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
             try:
                 writes = self._apply(fs, engine, state, targets, view.requested, workload)
             except CgroupError as err:
-                if placed and state != view.observed.state:
+                if placed and durable and state != view.observed.state:
                     # Every write was undone: the state must not claim the decision either.
                     store.commit(view.observed.state)
                     self.records.remove(dir_fd, [workload.container_id])
@@ -217,6 +229,13 @@ class Hook:
 
         extra = {"lock_wait_ms": f"{lock_wait * 1000:.1f}", "cgroup_writes": len(writes)}
         self.audit.emit(view.loaded.events)
+        if not durable:
+            self.audit.record(
+                "state-unsaved",
+                f"the state could not be written; the cgroups were written anyway: {unsaved}",
+                WARNING,
+                reason=unsaved,
+            )
         self.audit.emit(outcome.events, **extra)
         self._report_repairs(returned, grown + errors)
         if refusal is not None:

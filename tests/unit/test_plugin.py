@@ -148,3 +148,58 @@ def test_runtime_config_string_is_applied_and_flags_win(tmp_path):
     assert plugin.policy.options == {"full-pcpus-only"}
     with pytest.raises(ConfigError, match="unknown key 'reserve_cpus'"):
         configure(plugin, "reserve_cpus = 2", "containerd", "v1.7")
+
+
+class CountingLiveness:
+    """Liveness that says every container still runs, counting how often it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def alive(self, runtime_path: str) -> bool:
+        self.asked += 1
+        return True
+
+
+def test_unverified_containers_cost_a_creation_nothing(node, tmp_path):
+    """1,000 containers known only from the state file (a restart without Synchronize): a
+    creation does not check their cgroups; the sweep checks them a batch at a time."""
+    plugin, _ = node
+    for i in range(1000):
+        p = pod(f"old{i:04d}x", "burstable")  # (ids are names padded with 0s)
+        c = container(f"old{i:04d}x", p, 100)
+        c.linux.cgroups_path = f"/kubepods/burstable/pod{i}/{c.id}"
+        plugin.create_container(p, c)
+    restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
+    restarted.load_state()
+    assert len(restarted.unverified) == 1000
+    restarted.liveness = counting = CountingLiveness()
+    for name, milli in (("web", 500), ("db", 2000)):
+        p = pod(name, "burstable" if milli < 1000 else "guaranteed")
+        restarted.create_container(p, container(name, p, milli))
+    assert counting.asked == 0
+    with restarted.store.locked():
+        restarted._forget_ended(limit=32)
+        restarted._forget_ended(limit=32)
+    assert counting.asked == 64  # in turn: the second batch is not the first one again
+    assert len(restarted.unverified) == 1000  # alive: still watched
+
+
+def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node):
+    plugin, records = node
+    big = pod("big")
+    c = container("big", big, 44000)  # every CPU but the reserved ones and one core
+    c.linux.cgroups_path = "/kubepods/podbig/big"
+    plugin.create_container(big, c)
+    restarted = CPUPlugin(plugin.file_settings, Audit(records))
+    restarted.load_state()
+
+    class Ended:
+        def alive(self, runtime_path: str) -> bool:
+            return runtime_path != "/kubepods/podbig/big"
+
+    restarted.liveness = Ended()
+    db = pod("db")
+    adjust, _ = restarted.create_container(db, container("postgres", db, 4000))
+    assert adjust.linux.resources.cpu.cpus  # placed, on CPUs the ended container held
+    assert "big" not in "".join(restarted.state.assignments)

@@ -273,3 +273,15 @@ def test_release_and_forget_pod_track_shared_containers():
     assert state.sharing == {shared_one.container_id: "p1"}
     assert policy.release(state, shared_one.container_id)[1].sharing == {}
     assert policy.forget_pod(state, "p1").sharing == {}
+
+
+def test_remembered_stops_are_bounded():
+    """Missed RemovePodSandbox events must not grow every commit without bound."""
+    from nri_cpuplugin.core.policy import MAX_RELEASED
+
+    policy = StaticPolicy(topology("xeon-e5-2680v3-2s"), P("0,24"))
+    state = policy.empty_state()
+    for i in range(2000):
+        decision, state = policy.admit(state, wl(1000, name=f"c{i}", pod=f"p{i}"))
+        _, state = policy.release(state, decision.container_id)
+    assert len(state.released) == MAX_RELEASED
