@@ -246,7 +246,7 @@ class CPUPlugin:
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
-        """Someone (kubelet, an operator) updates resources: keep our cpuset in force."""
+        """Someone (kubelet, an operator) updates resources: keep our cpuset (nri-wire.md §9.2)."""
         outcome = self.engine.update(self.state, container.id)
         return [self._update(t, ignore_failure=False) for t in outcome.targets]
 
@@ -417,7 +417,7 @@ class CPUPlugin:
             applied = hotplug.apply(layout, targets, self.proc)
             errors += applied.errors
             returned = applied.returned
-        hotplug.audit_repairs(self.audit, returned, errors)
+        self.audit.emit(hotplug.repair_events(returned, errors))
         return errors
 
     def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
@@ -445,7 +445,7 @@ class CPUPlugin:
                 with contextlib.suppress(cgroupfs.CgroupError):
                     moved = hotplug.return_evicted_tasks(fs, hotplug.cgroup_path(path), self.proc)
                     if moved:
-                        hotplug.audit_repairs(self.audit, {cid: moved}, [])
+                        self.audit.emit(hotplug.repair_events({cid: moved}, []))
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -474,9 +474,6 @@ class CPUPlugin:
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         _fill(update.linux.resources.cpu, target)
         return update
-
-    def _sibling_updates(self, exclude: str) -> list[pb.ContainerUpdate]:
-        return [self._update(t) for t in self.engine.followers(self.state, exclude)]
 
     def _push(self, targets: Iterable[Target]) -> None:
         """Tell the runtime about cpusets that changed outside of an event's reply."""

@@ -3,7 +3,7 @@
 Kubelet cannot place CPUs next to a pod's NIC.  We can, because the runtime tells us the pod's
 network namespace (NRI ``PodSandbox.linux.namespaces``, ``linux.namespaces`` in config.json on
 the hook path), and the kernel describes every interface over netlink
-(docs/oci-hooks-and-cgroups.md §6.5-6.6):
+(docs/cgroups-and-hooks.md §14):
 
 1. List the links inside the pod's netns.  The namespace file is opened read-only and entered
    by a short-lived thread just long enough to create a netlink socket there: nothing is ever
@@ -39,7 +39,6 @@ from ..core import annotation
 from ..core.cpuset import CPUSet
 from ..core.policy import NICPreference, PolicyError
 from ..core.topology import Topology
-from ..ops.audit import DEBUG, INFO
 from . import rtnetlink
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
@@ -47,10 +46,6 @@ if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
     import socket
     from typing import Any
-
-    from ..core.policy import Decision
-    from ..core.workload import Workload
-    from ..ops.audit import Audit
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
@@ -467,29 +462,4 @@ def locality(
         NICPreference(nodes, strict, described),
         tuple(nics),
         f"NICs on NUMA {nodes}{' (strict)' if strict else ''}: {'; '.join(described)}",
-    )
-
-
-def audit_placement(
-    audit: Audit, decision: Decision, workload: Workload, locality: Locality
-) -> None:
-    """The ``nic-locality`` audit record of an exclusive placement: where the pod's NICs are
-    and whether the CPUs chosen are next to them (daemon and hook alike)."""
-    nodes = locality.nodes
-    if nodes:
-        verdict = "honoured" if decision.mems <= nodes else "not honoured: too few free CPUs there"
-        message = f"placement on NUMA {decision.mems} {verdict}"
-    else:
-        verdict, message = "no preference", "nothing to honour"
-    audit.record(
-        "nic-locality",
-        f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}: "
-        f"{locality.note}; {message}",
-        INFO if locality.nics or nodes else DEBUG,
-        nic_numa=nodes,
-        nics="; ".join(n.describe() for n in locality.nics),
-        honoured=verdict.split(":")[0],
-        cpus=decision.cpus,
-        mems=decision.mems,
-        **workload.identity(),
     )

@@ -426,9 +426,9 @@ class Hook:
         return returned, errors
 
     def _report_repairs(self, returned: dict[str, int], errors: list[str]) -> None:
-        from ..hardware.hotplug import audit_repairs
+        from ..hardware.hotplug import repair_events
 
-        audit_repairs(self.audit, returned, errors)
+        self.audit.emit(repair_events(returned, errors))
 
     # --- helpers ---------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for external plugins
 
 # Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
-# every NRI version; the stub never asks for more.
+# every NRI version; the stub never asks for more (docs/nri-wire.md §7).
 EVENT_HANDLERS = {
     1: "run_pod_sandbox",
     2: "stop_pod_sandbox",
@@ -105,6 +105,7 @@ PER_EVENT_METHODS = {
     "RemoveContainer": "remove_container",
 }
 
+# Deadlines and what a miss costs: docs/nri-wire.md §12.
 REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
 REQUEST_TIMEOUT = 2.0  # the runtime's default per-request timeout, until Configure says more
 # Answer within this share of the runtime's deadline: a late answer is worse than an error,
@@ -642,8 +643,8 @@ class Stub:
 
         Refused inside an event handler: the runtime holds its lock for the event we are
         serving, so waiting here would deadlock until the runtime drops us
-        (containerd/nri#301).  Return updates from the handler instead, or call
-        ``schedule_update_containers``.
+        (containerd/nri#301, docs/nri-wire.md §11.4).  Return updates from the handler instead,
+        or call ``schedule_update_containers``.
         """
         if _in_handler.get():
             raise RuntimeError(
