@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .base import jsonbytes
+from .base.errors import PluginError
 from .core.allocator import KNOWN_OPTIONS, AllocationError, Allocator, OptionError
 from .core.cpuset import CPUSet
 from .core.policy import PolicyError
@@ -34,8 +35,10 @@ EXIT_UNSATISFIABLE = 1
 EXIT_USAGE = 2
 
 
-class UsageError(Exception):
+class UsageError(PluginError):
     """Bad input from the command line; exit 2."""
+
+    code = "usage"
 
 
 def _cpulist(text: str) -> CPUSet:

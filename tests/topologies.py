@@ -14,9 +14,10 @@ from pathlib import Path
 
 from sysfs_gen import MachineSpec, expected_topology, write_sysfs
 
+from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.topology import Topology, discover
 
-__all__ = ["NAMED", "build", "expected", "scratch_dir", "spec_of", "topology"]
+__all__ = ["NAMED", "build", "expected", "offline", "scratch_dir", "spec_of", "topology"]
 
 
 def _spec(name: str, **fields) -> tuple[str, MachineSpec]:
@@ -154,3 +155,13 @@ def topology(name_or_spec: str | MachineSpec) -> Topology:
 def expected(name_or_spec: str | MachineSpec) -> Topology:
     """The independently computed Topology (see sysfs_gen.expected_topology)."""
     return expected_topology(spec_of(name_or_spec))
+
+
+def offline(base: Topology, cpus: str) -> Topology:
+    """``base`` with ``cpus`` offline, as discover() would report it (no ids for them)."""
+    gone = CPUSet.parse(cpus)
+    doc = base.as_dict()
+    for entry in doc["cpus"]:
+        if entry["id"] in gone:
+            entry.update(socket=None, die=None, numa=None, l3=None, core=None, online=False)
+    return Topology.from_dict(doc)

@@ -64,6 +64,7 @@ from collections.abc import Iterable, Sequence
 from itertools import combinations
 from math import comb
 
+from ..base.errors import PluginError
 from .cpuset import CPUSet
 from .topology import Topology
 
@@ -95,12 +96,16 @@ _INCOMPATIBLE = (
 _MAX_COMBINATIONS = 128
 
 
-class AllocationError(Exception):
+class AllocationError(PluginError):
     """The request cannot be met; the message names what was asked and what is free."""
 
+    code = "no-room"
 
-class OptionError(ValueError):
+
+class OptionError(PluginError, ValueError):
     """Unknown or incompatible policy options."""
+
+    code = "option"
 
 
 def validate_options(names: Iterable[str], topology: Topology | None = None) -> frozenset[str]:

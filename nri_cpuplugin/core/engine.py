@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from ..base.value import Value
 from .cpuset import CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
-from .policy import Decision, Followed, NICPreference, PolicyError, StaticPolicy
-from .reconcile import LiveContainer, reconcile
+from .follow import Followed, follow_online
+from .policy import Decision, NICPreference, PolicyError, StaticPolicy
 from .state import NodeState
 from .workload import Workload
 
@@ -68,6 +68,16 @@ class Loaded(Value):
     set_aside: bool  # the stored file must be moved aside: this policy cannot honour it
     followed: Followed | None  # the online CPUs changed since it was committed
     events: tuple[AuditEvent, ...]
+
+
+class LiveContainer(Value):
+    workload: Workload
+    cpus: CPUSet  # what it runs on now (empty when unknown)
+
+
+class Reconciled(Value):
+    state: NodeState
+    notes: tuple[str, ...]  # one line per change, for the audit trail
 
 
 class Engine:
@@ -123,7 +133,7 @@ class Engine:
         followed = None
         state = stored
         if state is not None and state.fingerprint != self.topology.fingerprint():
-            followed = policy.follow_online(state)
+            followed = follow_online(policy, state)
             events.append(
                 event(
                     "state-repair",
@@ -271,8 +281,8 @@ class Engine:
     def synchronize(
         self, state: NodeState, live: Iterable[LiveContainer], live_pods: Iterable[str]
     ) -> Outcome:
-        """The runtime's (or the cgroups') list of what runs: the state made to match it, and
-        the target of every live container."""
+        """The runtime's (or the cgroups') list of what runs: the state made to match it (see
+        ``reconcile``), and the target of every live container."""
         live = list(live)
         result = reconcile(self.policy, state, live, live_pods)
         new_state = result.state
@@ -286,7 +296,7 @@ class Engine:
         """The online CPUs changed (this engine's policy has the new topology; ``previous`` the
         old one): every assignment follows, and every container whose cpuset changed gets a
         target."""
-        followed = self.policy.follow_online(state, previous=previous.topology)
+        followed = follow_online(self.policy, state, previous=previous.topology)
         after = followed.state
         tracked = set(after.assignments) | set(after.sharing)
         targets = tuple(
@@ -374,3 +384,81 @@ def _nic_event(
         mems=decision.mems,
         **workload.identity(),
     )
+
+
+def reconcile(
+    policy: StaticPolicy,
+    state: NodeState,
+    live: Iterable[LiveContainer],
+    live_pods: Iterable[str],
+) -> Reconciled:
+    """Rebuild the state from the runtime's truth plus what the state file remembers.
+
+    Used when the runtime lists everything it runs (NRI Synchronize) and whenever the stored state
+    could not be trusted.  Pure: live containers and a state in, a consistent state and a list of
+    what changed out.  The rules, in order:
+
+    1. An assignment whose container is no longer live is dropped (it stopped while we were away).
+    2. What stopped containers are remembered by is kept only for pods that still exist.
+    3. A live container that keeps its assignment keeps its CPUs.
+    4. An eligible live container without one (created while we were away, or the state file was
+       lost) keeps the CPUs it already runs on when they are exactly its request and free -
+       nothing moves under a running workload - or else is placed like a new container.
+    5. Everything else runs in the shared pool.
+    """
+    live = list(live)
+    live_ids = {c.workload.container_id for c in live}
+    pods = set(live_pods) | {c.workload.pod_uid for c in live}
+    notes: list[str] = []
+
+    kept = {}
+    for cid, assignment in state.assignments.items():
+        if cid in live_ids:
+            kept[cid] = assignment
+        else:
+            notes.append(f"dropped {assignment.cpus} of container {cid[:12]} (no longer running)")
+    released = {key: r for key, r in state.released.items() if key[0] in pods}
+    state = state.evolve(assignments=kept, released=released, sharing={})
+    state = state.evolve(shared=policy.shared_pool(state.exclusive))
+
+    # Adopt first, so that containers already on their own CPUs are not displaced by
+    # newcomers placed anew; then place the rest in a stable order.
+    waiting = []
+    for container in sorted(live, key=lambda c: c.workload.container_id):
+        workload = container.workload
+        if workload.container_id in state.assignments:
+            continue
+        try:
+            count = policy.eligibility(workload)[0]
+        except PolicyError as err:
+            notes.append(f"container {workload.container_id[:12]} shares: {err}")
+            continue
+        if count is None:
+            continue
+        adopted = policy.adopt(state, workload, container.cpus)
+        if adopted is not None:
+            state = adopted
+            notes.append(f"adopted {container.cpus} already used by {_name_of(workload)}")
+        else:
+            waiting.append(workload)
+    for workload in waiting:
+        try:
+            decision, state = policy.admit(state, workload)
+        except PolicyError as err:
+            notes.append(f"{_name_of(workload)} left in the shared pool: {err}")
+            continue
+        notes.append(f"placed {_name_of(workload)} on {decision.cpus}")
+    sharing = {
+        c.workload.container_id: c.workload.pod_uid
+        for c in live
+        if c.workload.container_id not in state.assignments
+    }
+    cgroups = {
+        c.workload.container_id: c.workload.cgroup_path for c in live if c.workload.cgroup_path
+    }
+    state = state.evolve(sharing=sharing, cgroups=cgroups)
+    return Reconciled(policy.normalized(state), tuple(notes))
+
+
+def _name_of(workload: Workload) -> str:
+    return f"container {workload.container_name!r} ({workload.container_id[:12]})"

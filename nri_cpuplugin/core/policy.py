@@ -18,7 +18,7 @@ NIC locality (nic.py finds the NUMA nodes of a pod's network interfaces) is a pr
 the CPUs a container is entitled to: its exclusive CPUs come from those nodes whenever they have
 enough free CPUs.  "Strict" (asked by annotation) turns the preference into a condition.
 
-CPU hotplug (``follow_online``): a CPU that goes offline leaves every pool; an exclusive
+CPU hotplug (``follow.py``): a CPU that goes offline leaves every pool; an exclusive
 container that held it gets a free replacement (same NUMA node, then same socket, then any) or
 is *degraded* - it keeps what is left, or runs in the shared pool when nothing is, and the CPU
 is owed to it: it returns to that container when it comes back online.
@@ -61,22 +61,6 @@ class Decision(Value):
     reason: str
 
 
-class HotplugChange(Value):
-    """What following the online set did to one exclusive container."""
-
-    container_id: str
-    action: str  # "replaced" | "degraded" | "restored" | "preempted"
-    cpus: CPUSet  # the CPUs this is about: replacement, CPUs given back, CPUs lost
-    held: CPUSet  # what the container holds afterwards
-    lost: CPUSet  # what it is still owed afterwards
-    reason: str
-
-
-class Followed(Value):
-    state: NodeState
-    changes: tuple[HotplugChange, ...]
-
-
 class StaticPolicy:
     name = POLICY_NAME
 
@@ -99,10 +83,10 @@ class StaticPolicy:
         self.reserved = reserved
         # CPUs any shared container may run on, before exclusive assignments are removed.
         base = topology.online - topology.isolated
-        self._shareable = base - reserved if self.strict else base
+        self.shareable = base - reserved if self.strict else base
         # CPUs that may be handed out exclusively (isolated ones only on request).
-        self._assignable = base - reserved
-        if not self._shareable:
+        self.assignable = base - reserved
+        if not self.shareable:
             raise PolicyError(
                 f"no CPU left for the shared pool: online {topology.online}, reserved {reserved}, "
                 f"isolated {topology.isolated}"
@@ -134,11 +118,11 @@ class StaticPolicy:
             policy=self.name,
             fingerprint=self.topology.fingerprint(),
             reserved=self.reserved,
-            shared=self._shareable,
+            shared=self.shareable,
         )
 
     def shared_pool(self, exclusive: CPUSet) -> CPUSet:
-        return self._shareable - exclusive
+        return self.shareable - exclusive
 
     @staticmethod
     def cpuset_for(state: NodeState, container_id: str) -> CPUSet:
@@ -150,14 +134,14 @@ class StaticPolicy:
     def free_exclusive(self, state: NodeState, isolated: bool = False) -> CPUSet:
         """CPUs that a new exclusive assignment may take: not held, and not owed to a degraded
         container (an online CPU it lost stays its own until it can be given back)."""
-        pool = self.topology.isolated if isolated else self._assignable
+        pool = self.topology.isolated if isolated else self.assignable
         return pool - state.exclusive - _owed(state.assignments)
 
     def check(self, state: NodeState) -> str | None:
         """Why a loaded state cannot serve this policy on this machine, or None if it can.
 
         Offline CPUs are not a reason: ``follow_online`` repairs those in place."""
-        usable = self._assignable | self.topology.isolated
+        usable = self.assignable | self.topology.isolated
         for cid, assignment in state.assignments.items():
             stray = (assignment.cpus & self.topology.online) - usable
             if stray:
@@ -290,7 +274,7 @@ class StaticPolicy:
         strict = False
         if nic is not None and nic.nodes:
             strict = nic.strict
-            near = self._node_cpus(nic.nodes)
+            near = self.node_cpus(nic.nodes)
             where = f"next to its NICs on NUMA {nic.nodes}"
             local = [
                 (exact, cpus if exact else cpus & near, f"{why}, {where}")
@@ -313,7 +297,7 @@ class StaticPolicy:
         pool = "isolated CPUs" if isolated else "CPUs"
         if strict:
             assert nic is not None
-            near_free = free & self._node_cpus(nic.nodes)
+            near_free = free & self.node_cpus(nic.nodes)
             raise PolicyError(
                 f"{_describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
                 f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
@@ -327,7 +311,7 @@ class StaticPolicy:
             f"{free or 'none'} ({len(free)}): {reason}"
         )
 
-    def _node_cpus(self, nodes: Iterable[int]) -> CPUSet:
+    def node_cpus(self, nodes: Iterable[int]) -> CPUSet:
         numa = self.topology.numa_nodes
         return CPUSet().union(*(numa.get(node, CPUSet()) for node in nodes))
 
@@ -363,159 +347,6 @@ class StaticPolicy:
             assignments=assignments, released=released, sharing=sharing, cgroups=cgroups
         )
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
-
-    # --- hotplug ----------------------------------------------------------------------------
-
-    def follow_online(self, state: NodeState, previous: Topology | None = None) -> Followed:
-        """The state made to fit this policy's online CPUs (a policy built on a topology
-        discovered after a hotplug event, or at start after changes made while nothing ran).
-
-        1. CPUs that are no longer online leave every assignment and are owed to it.
-        2. Owed CPUs that are usable again return to their container (as long as the shared
-           pool keeps a CPU).
-        3. Containers still owed offline CPUs get free replacements: on their NUMA node(s),
-           then their socket(s), then anywhere (never off the NICs' nodes when strict).  A
-           replacement settles the debt: the lost CPU joins the shared pool when it returns.
-           Without a replacement the container is degraded until the CPU returns.
-        4. If the shared pool would be empty, the largest assignment gives a CPU back (owed).
-
-        ``previous`` (the topology before the change) locates offline CPUs, which sysfs no
-        longer describes; without it, a container that lost everything is replaced anywhere.
-        """
-        topo = self.topology
-        online = topo.online
-        usable = self._assignable | topo.isolated
-        held = dict(state.assignments)
-        changes: list[HotplugChange] = []
-        newly_lost: dict[str, CPUSet] = {}
-
-        def taken() -> CPUSet:
-            return CPUSet().union(*(a.cpus for a in held.values()))
-
-        for cid in sorted(held):  # 1.
-            a = held[cid]
-            gone = a.cpus - online
-            # An owed CPU that is online but can no longer be ours (now reserved or isolated by
-            # a new configuration) cannot return: treat it as lost now, to be replaced.
-            dead = (a.lost & online) - usable
-            if gone or dead:
-                held[cid] = a.evolve(cpus=a.cpus - gone, lost=(a.lost | gone) - dead)
-                newly_lost[cid] = gone | dead
-        for cid in sorted(held):  # 2.
-            a = held[cid]
-            candidates = (a.lost & online & usable) - taken()
-            back = CPUSet()
-            for cpu in candidates.sorted():
-                if self.shared_pool(taken() | back | {cpu}):
-                    back |= {cpu}
-            if back:
-                held[cid] = a = a.evolve(cpus=a.cpus | back, lost=a.lost - back)
-                changes.append(
-                    HotplugChange(
-                        cid, "restored", back, a.cpus, a.lost, f"CPU {back} is usable again"
-                    )
-                )
-        for cid in sorted(held):  # 3.
-            a = held[cid]
-            dead = newly_lost.get(cid, CPUSet()) & online  # can never return: replace or forget
-            missing = (a.lost - online) | dead
-            if not missing:
-                continue
-            pick, where = self._replacement(held, a, missing, previous)
-            if pick:
-                held[cid] = a = a.evolve(cpus=a.cpus | pick, lost=a.lost - missing)
-                changes.append(
-                    HotplugChange(
-                        cid,
-                        "replaced",
-                        pick,
-                        a.cpus,
-                        a.lost,
-                        f"CPU {missing} went offline; replaced by {pick} ({where})",
-                    )
-                )
-            elif cid in newly_lost:
-                changes.append(
-                    HotplugChange(
-                        cid,
-                        "degraded",
-                        newly_lost[cid],
-                        a.cpus,
-                        a.lost,
-                        f"CPU {newly_lost[cid]} went offline and no free CPU can replace it"
-                        + (
-                            "; it runs in the shared pool until the CPU returns"
-                            if not a.cpus
-                            else f"; it keeps {a.cpus} until the CPU returns"
-                        ),
-                    )
-                )
-        while not self.shared_pool(taken()):  # 4.
-            victims = [a for a in held.values() if a.cpus & self._shareable]
-            if not victims:
-                break
-            a = max(victims, key=lambda v: (len(v.cpus), max(v.cpus), v.container_id))
-            cpu = CPUSet([max(a.cpus & self._shareable)])
-            held[a.container_id] = a = a.evolve(cpus=a.cpus - cpu, lost=a.lost | cpu)
-            changes.append(
-                HotplugChange(
-                    a.container_id,
-                    "preempted",
-                    cpu,
-                    a.cpus,
-                    a.lost,
-                    f"CPU {cpu} taken back: the shared pool had no CPU left",
-                )
-            )
-        new_state = state.evolve(assignments=held, fingerprint=topo.fingerprint())
-        new_state = new_state.evolve(shared=self.shared_pool(new_state.exclusive))
-        return Followed(new_state, tuple(changes))
-
-    def _replacement(
-        self,
-        held: Mapping[str, Assignment],
-        a: Assignment,
-        missing: CPUSet,
-        previous: Topology | None,
-    ) -> tuple[CPUSet, str]:
-        """Free CPUs to replace ``missing`` for ``a``, and where they were found; empty if none."""
-        topo = self.topology
-        others = [x for x in held.values() if x.container_id != a.container_id]
-        busy = CPUSet().union(*(x.cpus | x.lost for x in others)) | a.cpus
-        isolated = any(
-            info.isolated
-            for source in (topo, previous)
-            if source is not None
-            for cpu in a.cpus | missing
-            if (info := source.by_id.get(cpu)) is not None
-        )
-        free = (topo.isolated if isolated else self._assignable) - busy
-        nodes = topo.numa_of(a.cpus) | (previous.numa_of(missing) if previous else CPUSet())
-        sockets = {topo.by_id[c].socket for c in a.cpus} | {
-            previous.by_id[c].socket
-            for c in missing
-            if previous is not None and c in previous.online
-        }
-        tiers = [
-            ("same NUMA node", self._node_cpus(nodes)),
-            ("same socket", CPUSet().union(*(topo.sockets.get(s, CPUSet()) for s in sockets))),
-            ("another socket", topo.online),
-        ]
-        if a.nic_strict and a.nic_nodes:
-            near = self._node_cpus(a.nic_nodes)
-            tiers = [(f"{label}, next to its NICs", cpus & near) for label, cpus in tiers]
-        exclusive = CPUSet().union(*(x.cpus for x in held.values()))
-        for label, tier in tiers:
-            candidates = free & tier
-            if len(candidates) < len(missing):
-                continue
-            try:
-                pick = self.allocator.allocate(candidates, len(missing))
-            except AllocationError:
-                continue
-            if self.shared_pool(exclusive | pick):
-                return pick, label
-        return CPUSet(), ""
 
     def _exclusive(
         self, cid: str, cpus: CPUSet, before: CPUSet, after: CPUSet, reason: str

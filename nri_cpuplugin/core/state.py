@@ -13,6 +13,7 @@ from functools import cached_property
 from types import MappingProxyType
 
 from ..base import jsonbytes, shape
+from ..base.errors import PluginError
 
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
@@ -34,8 +35,10 @@ FORMAT_VERSION = 1
 CONTAINER_KINDS = ("app", "init", "sidecar")
 
 
-class StateFormatError(ValueError):
+class StateFormatError(PluginError, ValueError):
     """A state document that must not be trusted; the message says why."""
+
+    code = "corrupt"
 
 
 class Assignment(Value):

@@ -15,6 +15,7 @@ import os
 from collections import defaultdict
 from functools import cached_property
 
+from ..base.errors import PluginError
 from ..base.value import Value
 from .cpuset import MAX_CPU_ID, CPUSet
 
@@ -26,8 +27,10 @@ if TYPE_CHECKING:
 DEFAULT_SYSFS = "/sys"
 
 
-class TopologyError(Exception):
+class TopologyError(PluginError):
     """The topology source is unreadable or inconsistent."""
+
+    code = "topology"
 
 
 class CPUInfo(Value):

@@ -25,9 +25,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Outcome, Target
+from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
-from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.topology import TopologyError, discover
 from ..core.workload import Workload, from_nri

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import socket
     from typing import Any
 
+
 KERNEL_GROUP = 1  # uevents as the kernel sends them (2 would be udevd's re-broadcast)
 RCVBUF = 1 << 20  # a burst (SMT switched off offlines half the CPUs at once) must fit
 SO_RCVBUFFORCE = 33  # Linux's value; Python 3.11's socket module does not export it
@@ -130,20 +131,21 @@ class UeventListener:
 
 def repair_events(returned: dict[str, int], errors: list[str]) -> list[AuditEvent]:
     """The audit events of one round of cgroup repairs: processes put back, and what failed."""
-    events = [
-        event(
-            "cgroup-repair",
-            f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup v1 "
-            "had moved them out when the cpuset lost its last CPU)",
-            container_id=cid,
-            processes=moved,
+    events = []
+    for cid, moved in sorted(returned.items()):
+        events.append(
+            event(
+                "cgroup-repair",
+                f"put {moved} processes of container {cid[:12]} back into its cpuset (cgroup "
+                "v1 had moved them out when the cpuset lost its last CPU)",
+                container_id=cid,
+                processes=moved,
+            )
         )
-        for cid, moved in sorted(returned.items())
-    ]
-    events += [
-        event("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
-        for error in errors
-    ]
+    for error in errors:
+        events.append(
+            event("cgroup-repair", f"cpuset repair failed: {error}", WARNING, reason=error)
+        )
     return events
 
 

@@ -34,6 +34,7 @@ import errno
 import os
 from collections.abc import Iterable, Mapping
 
+from ..base.errors import PluginError
 from ..base.value import Value
 from ..core import annotation
 from ..core.cpuset import CPUSet
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
     import socket
     from typing import Any
+
 
 # "net1,net2": only these interfaces count (default: every interface with a device).  On a
 # host-network pod this is what turns locality on, naming host interfaces.
@@ -65,8 +67,10 @@ STACKED_KINDS = frozenset({"macvlan", "macvtap", "ipvlan", "ipvtap", "vlan"})
 NETWORK = "network"
 
 
-class NICError(Exception):
+class NICError(PluginError):
     """The pod's network namespace could not be inspected; the message says why."""
+
+    code = "nic"
 
 
 class NIC(Value):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import struct
 
+from ..base.errors import PluginError
+
 # message types and flags
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWLINK, RTM_GETLINK = 16, 18
@@ -40,8 +42,10 @@ _U32 = struct.Struct("=I")
 _S32 = struct.Struct("=i")
 
 
-class NetlinkError(ValueError):
+class NetlinkError(PluginError, ValueError):
     """A reply that is not well-formed, or the kernel's error answer."""
+
+    code = "netlink"
 
 
 class Message:

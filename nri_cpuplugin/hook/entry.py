@@ -155,8 +155,10 @@ createRuntime, stopped -> poststop).  Also run as `nri-cpuplugin hook`.
 FLAGS = ("--config", "--state-dir", "--reserved-cpus", "--sysfs", "--cgroup-root", "--lock-timeout")
 
 
-class UsageError(ValueError):
+class UsageError(PluginError, ValueError):
     """Bad command line; the message says which argument and what is accepted."""
+
+    code = "usage"
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]] | None:

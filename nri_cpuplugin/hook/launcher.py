@@ -22,13 +22,16 @@ import os
 import sys
 
 from ..base import files
+from ..base.errors import PluginError
 
 DEFAULT_PATH = "/usr/local/bin/nri-cpuplugin-hook"
 SHEBANG_LIMIT = 127  # BINPRM_BUF_SIZE - 1 before Linux 5.1
 
 
-class LauncherError(ValueError):
+class LauncherError(PluginError, ValueError):
     """The launcher cannot be written as asked; the message says why and what to do."""
+
+    code = "launcher"
 
 
 def package_root() -> str:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from ..base import files, jsonbytes, shape
+from ..base.errors import PluginError
 from ..base.value import Value
 from ..core.workload import (
     BESTEFFORT,
@@ -50,8 +51,10 @@ CONTAINER_TYPE_KEYS = ("io.kubernetes.cri-o.ContainerType", "io.kubernetes.cri.c
 KUBEPODS = "kubepods"
 
 
-class InputError(ValueError):
+class InputError(PluginError, ValueError):
     """Input from the runtime that we refuse to act on; the message says what and why."""
+
+    code = "input"
 
 
 class OCIState(Value):

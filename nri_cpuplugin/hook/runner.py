@@ -28,10 +28,9 @@ import os
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Loaded, Outcome, Target
+from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Loaded, Outcome, Target
 from ..core.events import DEBUG, WARNING
 from ..core.policy import PolicyError, StaticPolicy
-from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware import cgroupfs

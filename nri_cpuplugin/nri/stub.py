@@ -37,18 +37,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import difflib
 import inspect
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..base.errors import PluginError
 from . import connection as wire
 from .errors import ProtocolError
+from .handlers import (
+    EVENT_BITS,
+    EVENT_HANDLERS,
+    PER_EVENT_METHODS,
+    POD_EVENTS,
+    VALID_EVENTS_BEFORE_0_10,
+    SubscriptionError,
+    check_handlers,
+    describe_events,
+    event_mask,
+    narrowed_events,
+)
 from .pb import nri_pb2 as pb
 
 log = logging.getLogger("nri_cpuplugin.nri")
@@ -57,53 +68,6 @@ PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for external plugins
-
-# Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
-# every NRI version; the stub never asks for more (docs/nri-wire.md §7).
-EVENT_HANDLERS = {
-    1: "run_pod_sandbox",
-    2: "stop_pod_sandbox",
-    3: "remove_pod_sandbox",
-    4: "create_container",
-    5: "post_create_container",
-    6: "start_container",
-    7: "post_start_container",
-    8: "update_container",
-    9: "post_update_container",
-    10: "stop_container",
-    11: "remove_container",
-}
-VALID_EVENTS_BEFORE_0_10 = 0x7FF
-EVENT_BITS = {name: 1 << (event - 1) for event, name in EVENT_HANDLERS.items()}
-# NRI >= 0.10 events, in the Go stub's handler names.  This stub never subscribes to them, so a
-# plugin defining one would wait for calls that never come: named in errors, never served.
-UNSERVED_EVENTS = {
-    12: "update_pod_sandbox",
-    13: "post_update_pod_sandbox",
-    14: "validate_container_adjustment",
-}
-# Every name the stub calls on a plugin.
-LIFECYCLE_HANDLERS = ("configure", "synchronize", "shutdown", "connection_lost")
-KNOWN_HANDLERS = frozenset(EVENT_HANDLERS.values()) | frozenset(LIFECYCLE_HANDLERS)
-# Public names in the shape of a handler (the NRI objects, or an on_ callback prefix).  Narrow on
-# purpose: a plugin's other public methods (start_metrics, cpu_events, ...) must pass.
-HANDLER_SHAPED = re.compile(r"^on_|_(?:container|containers|sandbox|pod)$")
-# difflib ratio above which a public name counts as a misspelling of a handler: catches
-# synchronise, shutdwon, stop_contianer, post_stop_container; not start_metrics or stop_hotplug.
-MISSPELLING_CUTOFF = 0.8
-POD_EVENTS = {"run_pod_sandbox", "stop_pod_sandbox", "remove_pod_sandbox"}
-# NRI >= 0.12 calls these directly (falling back to StateChange when we answer UNIMPLEMENTED).
-# Their requests are {1 pod, 2 container}: wire-identical to CreateContainerRequest.
-PER_EVENT_METHODS = {
-    "RunPodSandbox": "run_pod_sandbox",
-    "StopPodSandbox": "stop_pod_sandbox",
-    "RemovePodSandbox": "remove_pod_sandbox",
-    "PostCreateContainer": "post_create_container",
-    "StartContainer": "start_container",
-    "PostStartContainer": "post_start_container",
-    "PostUpdateContainer": "post_update_container",
-    "RemoveContainer": "remove_container",
-}
 
 # Deadlines and what a miss costs: docs/nri-wire.md §12.
 REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
@@ -116,167 +80,16 @@ RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
 
-class RegistrationError(Exception):
+class RegistrationError(PluginError):
     """The runtime refused or ignored our RegisterPlugin."""
 
+    code = "registration"
 
-class UpdateError(Exception):
+
+class UpdateError(PluginError):
     """The runtime refused an unsolicited UpdateContainers."""
 
-
-class SubscriptionError(ValueError):
-    """A Configure handler asked for events the plugin cannot serve."""
-
-
-_MISSING = object()
-
-
-def event_mask(plugin: object) -> int:
-    """The events a plugin subscribes to: exactly those it has handlers for."""
-    mask = 0
-    for event, name in EVENT_HANDLERS.items():
-        if callable(getattr(plugin, name, None)):
-            mask |= 1 << (event - 1)
-    return mask
-
-
-def _normalized(name: str) -> str:
-    return name.replace("_", "").lower()
-
-
-_BY_NORMALIZED = {_normalized(name): name for name in KNOWN_HANDLERS}
-
-
-def _closest_handler(name: str) -> str | None:
-    """The handler ``name`` was probably meant to be: same letters in another case (Go's
-    CreateContainer), else the nearest by difflib; None if nothing is near."""
-    name = name.removeprefix("on_")  # on_create_container was meant as create_container
-    exact = _BY_NORMALIZED.get(_normalized(name))
-    if exact is not None:
-        return exact
-    close = difflib.get_close_matches(name, sorted(KNOWN_HANDLERS), n=1, cutoff=0.5)
-    return close[0] if close else None
-
-
-_UNSERVED_NORMALIZED = {_normalized(name) for name in UNSERVED_EVENTS.values()}
-
-
-def _looks_like_handler(name: str) -> bool:
-    if name.startswith("_") or name in KNOWN_HANDLERS:
-        return False
-    return (
-        HANDLER_SHAPED.search(name.lower()) is not None
-        or _normalized(name) in _BY_NORMALIZED
-        or _normalized(name) in _UNSERVED_NORMALIZED
-        or bool(difflib.get_close_matches(name, KNOWN_HANDLERS, n=1, cutoff=MISSPELLING_CUTOFF))
-    )
-
-
-def check_handlers(plugin: object) -> None:
-    """Refuse a plugin whose handlers the stub would silently miss.
-
-    TypeError when a handler name is bound to something not callable (a flag named
-    ``shutdown``, say); ValueError naming each public callable that looks like a handler but is
-    none the stub calls, with the closest real one.  Checked at start-up because the runtime
-    never tells a plugin about an event it did not subscribe to.
-    """
-    for name in sorted(KNOWN_HANDLERS):
-        value = getattr(plugin, name, _MISSING)
-        if value is not _MISSING and not callable(value):
-            raise TypeError(
-                f"plugin attribute {name!r} is an NRI handler name but holds a "
-                f"{type(value).__name__}, not a callable; rename the attribute, or narrow the "
-                "subscription in configure() to switch an inherited handler off"
-            )
-    problems = []
-    for name in dir(plugin):
-        # Only names in the shape of a handler are fetched: getattr may run properties.
-        if not _looks_like_handler(name) or not callable(getattr(plugin, name, None)):
-            continue
-        if _normalized(name) in _UNSERVED_NORMALIZED:
-            problems.append(
-                f"{name}: would handle an NRI >= 0.10 event this stub does not subscribe to"
-            )
-            continue
-        closest = _closest_handler(name)
-        hint = f"did you mean {closest!r}?" if closest else "it matches no handler"
-        problems.append(f"{name}: looks like an NRI handler but is none; {hint}")
-    if problems:
-        raise ValueError(
-            "plugin methods the stub would never call:\n  "
-            + "\n  ".join(problems)
-            + f"\nHandlers are: {', '.join(sorted(KNOWN_HANDLERS))}.\nA helper with such a "
-            "name needs a leading underscore."
-        )
-
-
-def describe_events(mask: int) -> str:
-    """``start_container (event 6), event 20`` for the bits set in ``mask``."""
-    names = []
-    for bit in range(mask.bit_length()):
-        if mask & (1 << bit):
-            event = bit + 1
-            name = EVENT_HANDLERS.get(event) or UNSERVED_EVENTS.get(event)
-            names.append(f"{name} (event {event})" if name else f"event {event}")
-    return ", ".join(names)
-
-
-def narrowed_events(handled: int, wanted: object) -> int:
-    """The subscription for a connection, given the mask of the plugin's handlers and what its
-    ``configure`` returned (see the module docstring)."""
-    if wanted is None:
-        return handled
-    if isinstance(wanted, (bool, str, bytes)):
-        # A bare string would iterate as letters; True would read as event 1.
-        raise TypeError(
-            f"configure() returned {wanted!r}; return None, a list of event handler names "
-            "or an int event mask"
-        )
-    if isinstance(wanted, int):
-        if wanted == 0:  # the Go stub's "no narrowing"; on the wire 0 would mean every event
-            return handled
-        if not 0 < wanted < 1 << 31:  # ConfigureResponse.events is an int32
-            raise SubscriptionError(f"configure() returned {wanted:#x}, not an event mask")
-        mask = wanted
-    elif isinstance(wanted, Iterable):
-        names = list(wanted)
-        unknown = [n for n in names if n not in EVENT_BITS]
-        if unknown:
-            hints = [
-                f"{n!r} (did you mean {c!r}?)" if (c := _closest_event(n)) else repr(n)
-                for n in unknown
-            ]
-            raise SubscriptionError(
-                f"configure() asked for unknown events {', '.join(hints)}; event handler "
-                f"names are: {', '.join(EVENT_BITS)}"
-            )
-        if not names:
-            # Not expressible: a zero mask on the wire subscribes to everything.
-            raise SubscriptionError(
-                "configure() returned no events; return None to keep every handler's event"
-            )
-        mask = 0
-        for name in names:
-            mask |= EVENT_BITS[name]
-    else:
-        raise TypeError(
-            f"configure() returned a {type(wanted).__name__}; return None, a list of event "
-            "handler names or an int event mask"
-        )
-    extra = mask & ~handled
-    if extra:
-        raise SubscriptionError(
-            "configure() asked for events the plugin has no handlers for: "
-            f"{describe_events(extra)} (it handles {describe_events(handled)})"
-        )
-    return mask
-
-
-def _closest_event(name: object) -> str | None:
-    if not isinstance(name, str):
-        return None
-    close = difflib.get_close_matches(name, list(EVENT_BITS), n=1, cutoff=0.5)
-    return close[0] if close else None
+    code = "update"
 
 
 class Stub:

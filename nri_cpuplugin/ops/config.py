@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from ..base.errors import PluginError
 from ..base.value import Value
 from ..core.allocator import OptionError, validate_options
 from ..core.cpuset import CPUSet
@@ -33,8 +34,10 @@ LISTEN_FORM = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(PluginError, ValueError):
     """Invalid configuration; the message names the key and the expected form."""
+
+    code = "config"
 
 
 class Settings(Value):

@@ -138,7 +138,7 @@ class _Endpoint:
         self.waiting: dict[_Connection, None] = {}  # insertion order: oldest first
         self.answering: set[_Connection] = set()
 
-    def admit(self, connection: _Connection) -> bool:
+    def accept(self, connection: _Connection) -> bool:
         if len(self.waiting) + len(self.answering) >= MAX_CONNECTIONS:
             if not self.waiting:
                 return False
@@ -174,7 +174,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if not self.endpoint.admit(self):
+        if not self.endpoint.accept(self):
             self.abort()
             return
         # One deadline for the whole exchange, not per read: a client trickling a byte at a

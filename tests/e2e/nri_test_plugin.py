@@ -22,8 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from nri_cpuplugin.nri.handlers import EVENT_HANDLERS
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.nri.stub import EVENT_HANDLERS, Stub
+from nri_cpuplugin.nri.stub import Stub
 
 
 class Recorder:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from topologies import topology
+from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.follow import follow_online
 from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
 from nri_cpuplugin.core.state import (
     Assignment,
@@ -39,19 +40,9 @@ def wl(cpus: int, name: str | None = None, pod: str = "pod-a") -> Workload:
     )
 
 
-def offline(base: Topology, cpus: str) -> Topology:
-    """``base`` with ``cpus`` offline, as discover() would report it (no ids for them)."""
-    gone = P(cpus)
-    doc = base.as_dict()
-    for entry in doc["cpus"]:
-        if entry["id"] in gone:
-            entry.update(socket=None, die=None, numa=None, l3=None, core=None, online=False)
-    return Topology.from_dict(doc)
-
-
 def follow(policy: StaticPolicy, state: NodeState, topo: Topology, previous=None):
     moved = StaticPolicy(topo, policy.reserved, policy.options)
-    return moved, moved.follow_online(state, previous=previous or policy.topology)
+    return moved, follow_online(moved, state, previous=previous or policy.topology)
 
 
 XEON = topology("xeon-e5-2680v3-2s")  # 2 sockets = 2 NUMA nodes; siblings N and N+24
@@ -164,7 +155,7 @@ def test_the_shared_pool_is_never_left_empty():
     big, state = policy.admit(state, wl(5))
     without_0 = offline(SMALL, "0")
     moved = StaticPolicy(without_0, P("0"))
-    result = moved.follow_online(state, previous=SMALL)
+    result = follow_online(moved, state, previous=SMALL)
     [change] = result.changes
     assert change.action == "preempted" and change.container_id == big.container_id
     assert result.state.shared == P("7")

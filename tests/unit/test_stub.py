@@ -14,14 +14,14 @@ from topologies import build
 
 from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.nri import stub as stub_module
-from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.nri.stub import (
-    Stub,
+from nri_cpuplugin.nri.handlers import (
     SubscriptionError,
     check_handlers,
     event_mask,
     narrowed_events,
 )
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.nri.stub import Stub
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
