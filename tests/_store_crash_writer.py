@@ -27,10 +27,6 @@ import sys
 import traceback
 import uuid
 
-# store.py imports filelock on first use (the OCI hook never pays for it); load it here, before
-# forking, like everything else the writers run.
-import filelock  # noqa: F401
-
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.state import Assignment, NodeState
 from nri_cpuplugin.storage.store import StateStore

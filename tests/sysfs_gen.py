@@ -351,7 +351,7 @@ def _distance_row(spec: MachineSpec, node: int) -> str:
 def expected_topology(spec: MachineSpec) -> Topology:
     """What ``discover`` must return for ``write_sysfs(spec, ...)``, derived from the spec alone.
 
-    The rules (DESIGN.md, ``topology --json``): ``core`` is the lowest online CPU id of the
+    The rules (README.md, ``topology --json``): ``core`` is the lowest online CPU id of the
     core's hardware threads, ``l3`` the lowest online CPU id of the LLC group (of the socket when
     there is no L3), ``numa`` the kernel node number (0 without NUMA), ``socket``/``die`` the
     kernel's ids; offline CPUs have ``online=False`` and no ids; absent slots are not listed.

@@ -45,10 +45,6 @@ POLICY_NAME = "static"
 # dense node's pods restarting at once, small enough that every commit stays cheap.
 MAX_RELEASED = 512
 
-# Kept under these names for callers that predate core/annotations.py.
-EXCLUSIVE_ANNOTATION = annotation.EXCLUSIVE
-ISOLATED_ANNOTATION = annotation.ISOLATED
-
 
 class NICPreference(Value):
     """Where a container's network interfaces are attached (built by nic.py)."""
@@ -66,10 +62,6 @@ class Decision(Value):
     shared_before: CPUSet
     shared_after: CPUSet
     reason: str
-
-    @property
-    def shared_changed(self) -> bool:
-        return self.shared_before != self.shared_after
 
 
 class StaticPolicy:
@@ -243,8 +235,8 @@ class StaticPolicy:
 
     def eligibility(self, workload: Workload) -> tuple[int | None, str, bool]:
         """(exclusive CPU count or None, why, from isolated CPUs?)."""
-        opt_out = _annotation_flag(workload, EXCLUSIVE_ANNOTATION)
-        wants_isolated = _annotation_flag(workload, ISOLATED_ANNOTATION) is True
+        opt_out = _annotation_flag(workload, annotation.EXCLUSIVE)
+        wants_isolated = _annotation_flag(workload, annotation.ISOLATED) is True
         if workload.qos != GUARANTEED:
             return None, f"{workload.qos} QoS shares", False
         count = workload.integer_cpus
@@ -255,7 +247,7 @@ class StaticPolicy:
                 False,
             )
         if opt_out is False:
-            return None, f"opted out by {EXCLUSIVE_ANNOTATION}", False
+            return None, f"opted out by {annotation.EXCLUSIVE}", False
         return count, f"guaranteed with {count} whole CPUs", wants_isolated
 
     def _choose(

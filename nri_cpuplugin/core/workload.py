@@ -1,8 +1,8 @@
 """What the policy needs to know about one container, whichever runtime path reported it.
 
 The NRI plugin builds a Workload from a ``Container`` + ``PodSandbox``; the OCI hook builds one
-from ``config.json``.  Both read Kubernetes intent the same way (DESIGN.md, "Reading Kubernetes
-intent"): QoS from the pod's cgroup parent, CPU request from ``cpu.shares``, limit from
+from ``config.json``.  Both read Kubernetes intent the same way (docs/cgroups-and-hooks.md
+§7-§8): QoS from the pod's cgroup parent, CPU request from ``cpu.shares``, limit from
 quota/period.
 """
 

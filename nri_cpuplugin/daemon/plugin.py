@@ -286,7 +286,7 @@ class CPUPlugin:
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
-        """Someone (kubelet, an operator) updates resources: keep our cpuset in force."""
+        """Someone (kubelet, an operator) updates resources: keep our cpuset (nri-wire.md §9.2)."""
         outcome = self.engine.update(self.state, container.id)
         return [self._update(t, ignore_failure=False) for t in outcome.targets]
 
@@ -549,9 +549,6 @@ class CPUPlugin:
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         _fill(update.linux.resources.cpu, target)
         return update
-
-    def _sibling_updates(self, exclude: str) -> list[pb.ContainerUpdate]:
-        return [self._update(t) for t in self.engine.followers(self.state, exclude)]
 
     def _push(self, targets: Iterable[Target]) -> None:
         """Tell the runtime about cpusets that changed outside of an event's reply."""

@@ -1,7 +1,7 @@
 """cgroup v1 and v2 cpuset / CFS-quota writers for the OCI hook (the NRI path never writes here:
 the runtime applies its adjustments).
 
-Why it is built this way (docs/oci-hooks-and-cgroups.md §3.4, §3.5, §8):
+Why it is built this way (docs/cgroups-and-hooks.md §10, §11):
 
 * Confinement.  Every file is opened relative to a directory descriptor of the hierarchy's
   mount root, one path component at a time, with ``O_NOFOLLOW``: a path from outside (the

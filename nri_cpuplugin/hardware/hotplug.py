@@ -1,7 +1,7 @@
 """CPU hotplug: kernel uevents into the daemon's event loop, and the cgroup repairs hotplug needs.
 
 Listening (daemon only).  The kernel announces ``online``/``offline`` of ``SUBSYSTEM=cpu`` on
-NETLINK_KOBJECT_UEVENT (docs/runtime-lab.md §8b).  The socket is registered with the asyncio
+NETLINK_KOBJECT_UEVENT (docs/cgroups-and-hooks.md §13).  The socket is registered with the asyncio
 loop (``add_reader``): the daemon sleeps in epoll until the kernel speaks - no polling, no
 timer, no wake-up while nothing happens.  pyroute2 parses the messages (``MarshalUevent``); it
 is imported when the listener starts, so the OCI hook, which imports this module for the
@@ -18,7 +18,7 @@ that still has some (asynchronously, from a workqueue).  So after a change:
   (cpu, memory), which the kernel left where runc put them.
 
 cgroup v2 needs neither: ``cpuset.cpus`` keeps the configuration and ``.effective`` follows the
-online CPUs by itself.
+online CPUs by itself.  Background: docs/cgroups-and-hooks.md §12 (cgroups), §13 (uevents).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ _WITNESSES = ("cpu", "cpu,cpuacct", "cpuacct,cpu", "memory", "pids")
 class CPUEvent(Value):
     action: str  # "online" | "offline"; "overflow" when events were lost (re-read sysfs)
     cpu: int  # -1 for "overflow"
-    seqnum: int | None
     received: float  # time.monotonic() when the daemon read it
 
 
@@ -64,13 +63,7 @@ def cpu_event(message: Any, received: float) -> CPUEvent | None:
     devpath = message.get("DEVPATH") or ""
     if not devpath.startswith(CPU_DEVPATH) or not devpath[len(CPU_DEVPATH) :].isdigit():
         return None
-    seqnum = message.get("SEQNUM")
-    return CPUEvent(
-        message["ACTION"],
-        int(devpath[len(CPU_DEVPATH) :]),
-        int(seqnum) if isinstance(seqnum, str) and seqnum.isdigit() else None,
-        received,
-    )
+    return CPUEvent(message["ACTION"], int(devpath[len(CPU_DEVPATH) :]), received)
 
 
 class UeventListener:
@@ -121,7 +114,7 @@ class UeventListener:
                 break
             except OSError as err:
                 if err.errno == errno.ENOBUFS:  # the kernel dropped some: re-read everything
-                    events.append(CPUEvent("overflow", -1, None, time.monotonic()))
+                    events.append(CPUEvent("overflow", -1, time.monotonic()))
                     continue
                 raise
             received = time.monotonic()
@@ -191,15 +184,19 @@ def apply(layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc
             resolved.append((bool(current - target.cpus), path, target))
         resolved.sort(key=lambda item: (not item[0], item[2].container_id))
         for _, path, target in resolved:
+            tx = cgroupfs.Transaction(fs)
             try:
-                with cgroupfs.Transaction(fs) as tx:
+                with tx:
                     cgroupfs.set_cpuset(tx, path, target.cpus, target.mems)
                 if layout.version == cgroupfs.V1:
                     moved = return_evicted_tasks(fs, path, proc)
                     if moved:
                         returned[target.container_id] = moved
             except cgroupfs.CgroupError as err:
-                errors.append(f"{target.container_id[:12]}: {err}")
+                error = f"{target.container_id[:12]}: {err}"
+                if tx.rollback_errors:
+                    error += f" (undoing earlier writes failed: {'; '.join(tx.rollback_errors)})"
+                errors.append(error)
     return Applied(errors, returned)
 
 

@@ -1,10 +1,10 @@
 """Is a container still running?  Asked of its cgroup when the runtime cannot tell us.
 
 containerd 1.7 does not resend the state to a plugin it launched (no Synchronize), and after a
-containerd restart it does not report the stop of containers created before the restart.  A
-plugin that only listened would keep their CPUs forever, so while unsynchronized the plugin
-checks its assignments against the cgroups: a container whose cgroup is gone, or holds no
-process, has ended.
+containerd restart it does not report the stop of containers created before the restart
+(docs/nri-wire.md §5.2, §9.3).  A plugin that only listened would keep their CPUs forever, so
+while unsynchronized the plugin checks its assignments against the cgroups: a container whose
+cgroup is gone, or holds no process, has ended.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def cgroup_path(runtime_path: str) -> str:
 
     cgroupfs driver: the path itself.  systemd driver: ``slice:prefix:name`` is the unit
     ``prefix-name.scope`` below the slice, whose own path spells out every parent slice
-    (``kubepods-burstable-pod1.slice`` lives in ``kubepods.slice/kubepods-burstable.slice``).
+    (``kubepods-burstable-pod1.slice`` lives in ``kubepods.slice/kubepods-burstable.slice``;
+    docs/cgroups-and-hooks.md §6).
     """
     if runtime_path.count(":") != 2 or runtime_path.startswith("/"):
         return runtime_path

@@ -3,7 +3,7 @@
 Kubelet cannot place CPUs next to a pod's NIC.  We can, because the runtime tells us the pod's
 network namespace (NRI ``PodSandbox.linux.namespaces``, ``linux.namespaces`` in config.json on
 the hook path), and the kernel describes every interface over netlink
-(docs/oci-hooks-and-cgroups.md §6.5-6.6):
+(docs/cgroups-and-hooks.md §14):
 
 1. List the links inside the pod's netns.  The namespace file is opened read-only and entered
    by a short-lived thread just long enough to create a netlink socket there: nothing is ever

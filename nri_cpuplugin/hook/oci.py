@@ -2,8 +2,8 @@
 
 Both are input from outside the process, so everything is bounded and checked before use:
 sizes, types, the container id (it names a file of ours), the bundle path.  The Workload built
-here reads Kubernetes intent exactly as ``workload.from_nri`` does (DESIGN.md, "Reading
-Kubernetes intent from the runtime's view"), so the hook and the NRI plugin decide alike.
+here reads Kubernetes intent exactly as ``workload.from_nri`` does (docs/cgroups-and-hooks.md
+§7-§8), so the hook and the NRI plugin decide alike.
 """
 
 from __future__ import annotations

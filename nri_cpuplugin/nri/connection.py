@@ -163,7 +163,7 @@ class Connection:
 
 
 def _frames(conn_id: int, stream_id: int, msg_type: int, body: bytes) -> bytes:
-    """One message as mux frames that the Go reader accepts (nri-protocol.md §2.3).
+    """One message as mux frames that the Go reader accepts (docs/nri-wire.md §2.3).
 
     The Go side reads a message header into a 4096-byte buffer and drops the connection if
     the frame holding it is larger.  So a message that fits in 4096 bytes travels as one frame;

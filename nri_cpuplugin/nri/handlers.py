@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from ..base.errors import PluginError
 
 # Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
-# every NRI version; the stub never asks for more.
+# every NRI version; the stub never asks for more (docs/nri-wire.md §7).
 EVENT_HANDLERS = {
     1: "run_pod_sandbox",
     2: "stop_pod_sandbox",

@@ -3,11 +3,11 @@
 Every byte on the NRI socket is inside a frame ``[conn id: u32 BE][length: u32 BE][payload]``.
 Two logical connections share the socket: conn 1 carries the runtime's calls to us, conn 2 our
 calls to the runtime.  A frame is a chunk of that connection's byte stream, not a message: the
-ttrpc layer reassembles messages from the chunks (see ttrpc.py).
+ttrpc layer reassembles messages from the chunks (see ttrpc.py).  Wire facts: docs/nri-wire.md §2.
 
 The Go side reads each frame into a 4096-byte buffer when it is between messages and fails the
-whole connection if the frame does not fit, so frames we *send* follow the rule in
-``frames_for``; frames we *receive* may be of any size up to ``MAX_RECEIVE_FRAME``.
+whole connection if the frame does not fit, so frames we *send* follow docs/nri-wire.md §2.3
+(``connection._frames``); frames we *receive* may be of any size up to ``MAX_RECEIVE_FRAME``.
 """
 
 from __future__ import annotations

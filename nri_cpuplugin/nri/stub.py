@@ -69,6 +69,7 @@ RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for external plugins
 
+# Deadlines and what a miss costs: docs/nri-wire.md §12.
 REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
 REQUEST_TIMEOUT = 2.0  # the runtime's default per-request timeout, until Configure says more
 # Answer within this share of the runtime's deadline: a late answer is worse than an error,
@@ -455,8 +456,8 @@ class Stub:
 
         Refused inside an event handler: the runtime holds its lock for the event we are
         serving, so waiting here would deadlock until the runtime drops us
-        (containerd/nri#301).  Return updates from the handler instead, or call
-        ``schedule_update_containers``.
+        (containerd/nri#301, docs/nri-wire.md §11.4).  Return updates from the handler instead,
+        or call ``schedule_update_containers``.
         """
         if _in_handler.get():
             raise RuntimeError(

@@ -3,7 +3,7 @@
 A message is a 10-byte big-endian header ``[length u32][stream id u32][type u8][flags u8]``
 followed by ``length`` bytes of protobuf envelope (ttrpc.Request or ttrpc.Response).  NRI only
 makes unary calls: requests carry type 1, responses type 2, flags 0; clients use odd stream
-ids counting up from 1, and a response reuses its request's id.
+ids counting up from 1, and a response reuses its request's id (docs/nri-wire.md §3).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from .errors import ProtocolError
 
 HEADER = struct.Struct(">IIBB")
 TYPE_REQUEST = 1
-TYPE_RESPONSE = 2
-TYPE_DATA = 3  # streaming only; NRI never uses it
+TYPE_RESPONSE = 2  # (3, data, belongs to ttrpc streaming, which NRI never uses)
 
 # ttrpc's message limit.  A bigger body is not buffered: it is skipped and reported, so the
 # server can answer RESOURCE_EXHAUSTED for that stream as Go ttrpc does, and the connection

@@ -262,6 +262,3 @@ def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
     if value not in choices:
         raise ConfigError(f"{where} = {value!r}: expected one of {', '.join(choices)}")
     return value
-
-
-SETTING_NAMES = Settings._fields

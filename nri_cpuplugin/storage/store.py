@@ -226,12 +226,6 @@ class StateStore:
         synced = files.write_atomic(self.state_dir, STATE_FILE, data, dir_fd=dir_fd)
         return CommitTiming(time.perf_counter() - started, synced, len(data))
 
-    def write_file(self, name: str, data: bytes, durable: bool = True) -> None:
-        """Replace another file of the state directory (under the lock) the same way."""
-        files.write_atomic(
-            self.state_dir, name, data, durable=durable, dir_fd=self._locked_dir("write_file")
-        )
-
     def _remove_stale_temps(self, dir_fd: int) -> None:
         # Only a writer killed mid-commit leaves these, and we hold the lock, so none is live.
         with os.scandir(dir_fd) as entries:

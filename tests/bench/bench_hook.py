@@ -159,11 +159,21 @@ def bench_hook_latency(samples: int = 200, lab: Path = debs.LAB) -> dict[str, An
         for name in programs
     }
     result.update(
-        interpreter=f"{install.python} (venv of {SYSTEM_PYTHON} {_version(install.python)})",
+        interpreter=f"{_in_lab(install.python, lab)} (venv of {SYSTEM_PYTHON} "
+        f"{_version(install.python)})",
         shared_containers=4,
         samples=samples,
     )
     return result
+
+
+def _in_lab(path: Path, lab: Path) -> str:
+    """``path`` as the report shows it: relative to the lab (.lab, or NRI_LAB_DIR), so the
+    committed docs/benchmarks.md names no directory of the machine it ran on."""
+    try:
+        return f"<lab>/{path.relative_to(lab)}"
+    except ValueError:
+        return str(path)
 
 
 def _version(python: Path) -> str:

@@ -64,7 +64,7 @@ def section_foundation(quick: bool) -> list[str]:
     commit = bench_commit(n_assignments=200, repeats=60 if quick else 500, directory=scratch.root())
     churn = churn_quality(topology("epyc-1s-4numa"), steps=2000 if quick else 10_000)
     lines = [
-        "## Foundation (issue 2)",
+        "## Foundation",
         "",
         "### Decision latency",
         "",
@@ -139,7 +139,7 @@ def section_transport(quick: bool) -> list[str]:
     sync = bench_synchronize(1000, 5 if quick else 20)
     create = bench_create_latency(20 if quick else 150)
     return [
-        "## NRI transport (issue 3)",
+        "## NRI transport",
         "",
         f"Plugin-side cost of one CreateContainer of realistic size ({codec['request_bytes']} "
         "bytes: pod and container with 30 annotations each, 20 env vars, 10 mounts): bytes "
@@ -182,7 +182,7 @@ def section_plugin(quick: bool) -> list[str]:
     plot_noisy_neighbour(noisy, plot)
     footprint = bench_daemon_footprint(50 if quick else 200, 5 if quick else 10)
     lines = [
-        "## The CPU plugin end to end (issue 4)",
+        "## The CPU plugin end to end",
         "",
         "The plugin's own handlers, in process, on this machine's topology (reserved CPU 0, "
         "exclusive CPU 1, one shared neighbour to update), state committed with fsync (to the "
@@ -260,7 +260,7 @@ def section_hook(quick: bool) -> list[str]:
     exclusive = bench_hook_contention(32, 1 if quick else 3, exclusive=True)
     ratio = latency["ratio"]
     lines = [
-        "## OCI hook (issue 5)",
+        "## OCI hook",
         "",
         "`createRuntime` wall time per invocation, installed as packaging/README.md says (a venv "
         f"of the distribution's Python, `pip install`; {latency['interpreter']}) and started as "
@@ -302,7 +302,7 @@ def section_operations(quick: bool) -> list[str]:
     audit = bench_audit_cost(100 if quick else 1000)
     cold = bench_cold_start(200, 20)
     return [
-        "## Operations (issue 6)",
+        "## Operations",
         "",
         "The plugin's CreateContainer + StopContainer handlers (one exclusive container, state "
         "committed with fsync) with every decision sent to a real systemd-journald (private "
@@ -328,7 +328,7 @@ def section_hardware(quick: bool) -> list[str]:
     hotplug = bench_hotplug_latency(5 if quick else 20)
     nic = bench_nic_inspection(50 if quick else 300)
     return [
-        "## Hardware awareness (issue 7)",
+        "## Hardware awareness",
         "",
         f"CPU 1 of this machine taken offline and back {hotplug['cycles']} times under "
         "containerd 2.1.9 with the daemon, an exclusive container on CPU 1 and a shared one on "

@@ -41,7 +41,7 @@ VERSIONS = {"1.7": CONTAINERD_17, "2.1": CONTAINERD_21}
 # create under the system temp dir (TMPDIR).
 _MAX_SOCKET_PATH = 100
 _MNT_DETACH = 2
-# Shim sockets cannot be configured away from here (runtime-lab §3.4).
+# containerd always puts shim sockets here; no configuration setting moves them.
 _SHIM_SOCKET_DIR = Path("/run/containerd/s")
 
 

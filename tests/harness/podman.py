@@ -2,8 +2,8 @@
 
 podman reads oci-hooks(5) files with the same containers/common code CRI-O uses, so
 ``--hooks-dir`` exercises the real matching (``when.annotations``, stages) and the real hook
-execution (runc runs createRuntime, podman itself runs poststop).  Setup follows
-docs/runtime-lab.md §7 with its three workarounds:
+execution (runc runs createRuntime, podman itself runs poststop).  Setup needs three
+workarounds:
 
 1. rlimits: this host has no CAP_SYS_RESOURCE, so podman's default nofile/nproc limits cannot
    be set; containers.conf lowers them.
@@ -36,7 +36,7 @@ from .containerd import _cleanup, _leftovers
 from .packages import PATCHELF, PODMAN_STACK, RUNC
 
 LIB = "usr/lib/x86_64-linux-gnu"
-# Podman itself leaves these behind on any host (runtime-lab.md §7.4, gotcha 6); they are
+# Podman itself leaves these behind on any host (runc's state root, libmount's utab); they are
 # shared, empty-when-unused directories that we remove only if empty.
 _SHARED_DIRS = (Path("/run/runc"), Path("/run/mount"))
 

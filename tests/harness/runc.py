@@ -97,7 +97,7 @@ def kubernetes_annotations(p: Pod, container: str) -> dict[str, str]:
 
 
 def cpu_resources(millicores: int, limit: int | None = None) -> dict[str, int]:
-    """``linux.resources.cpu`` as kubelet encodes a request/limit (oci-hooks-and-cgroups §4)."""
+    """``linux.resources.cpu`` as kubelet encodes a request/limit (cgroups-and-hooks.md §8)."""
     shares = max(2, millicores * 1024 // 1000) if millicores else 2
     resources = {"shares": shares, "period": 100000}
     if limit:

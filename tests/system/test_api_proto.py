@@ -58,7 +58,7 @@ GOOGLE_RPC_STATUS_FIELDS = (
 )
 GENPROTO_STATUS_IMPORT = 'status "google.golang.org/genproto/googleapis/rpc/status"'
 
-# What NRI 0.7/0.8 added over 0.6.1 (docs/nri-protocol.md section 10); nothing was changed or
+# What NRI 0.7/0.8 added over 0.6.1 (docs/nri-wire.md §13.2); nothing was changed or
 # removed.  Added messages are listed without their fields.
 NRI_061_TO_080 = {
     "+field nri.pkg.api.v1alpha1.ConfigureRequest.registration_timeout = 4",
@@ -416,11 +416,11 @@ def test_ttrpc_types_we_leave_out() -> None:
     ids=["nri", "ttrpc"],
 )
 def test_upstream_changes_between_versions(older: str, newer: str, expected: set[str]) -> None:
-    """Sanity check of the protocol doc's version table against the sources themselves."""
+    """Sanity check of docs/nri-wire.md §13.2 against the sources themselves."""
     changes = _diff(_upstream(older), _upstream(newer))
     print(f"\n{older} -> {newer}:", *sorted(changes) or ["(no change)"], sep="\n  ")
     assert changes == expected, (
-        f"{older} -> {newer} differs from docs/nri-protocol.md section 10:\n"
+        f"{older} -> {newer} differs from docs/nri-wire.md §13.2:\n"
         f"  unexpected: {sorted(changes - expected)}\n  not seen: {sorted(expected - changes)}"
     )
 
@@ -510,11 +510,11 @@ def test_generated_code_imports_without_grpc_tools() -> None:
     assert result.returncode == 0, result.stderr
 
 
-# --- tests: bytes on the wire (docs/nri-protocol.md) ---------------------------------------
+# --- tests: bytes on the wire (docs/nri-wire.md) -------------------------------------------
 
 
 def test_register_plugin_bytes() -> None:
-    """Section 5.3: RegisterPlugin "cpupin"/"50", payload and ttrpc Request envelope."""
+    """nri-wire.md §6: RegisterPlugin "cpupin"/"50", payload and ttrpc Request envelope."""
     payload = nri_pb2.RegisterPluginRequest(plugin_name="cpupin", plugin_idx="50")
     assert payload.SerializeToString() == b"\x0a\x06cpupin\x12\x0250"
     envelope = ttrpc_pb2.Request(
@@ -529,7 +529,7 @@ def test_register_plugin_bytes() -> None:
 
 
 def test_create_container_pinning_bytes() -> None:
-    """Section 9.5: adjust(1).linux(6).resources(2).cpu(2) with cpus(6) "2-3", mems(7) "0"."""
+    """nri-wire.md §10.3: adjust(1).linux(6).resources(2).cpu(2), cpus(6) "2-3", mems(7) "0"."""
     wire = bytes.fromhex("0a0e320c120a1208 3203") + b"2-3" + bytes.fromhex("3a01") + b"0"
     response = nri_pb2.CreateContainerResponse(
         adjust=nri_pb2.ContainerAdjustment(
@@ -545,7 +545,7 @@ def test_create_container_pinning_bytes() -> None:
 
 
 def test_wire_details_from_the_doc() -> None:
-    """Empty wrapper = set to 0 (section 9); negative timeout_nano = 10-byte varint (3.3)."""
+    """Empty wrapper = 0 (nri-wire.md §10.1); negative timeout_nano = 10-byte varint (§3.4)."""
     cpu = nri_pb2.LinuxCPU(shares=nri_pb2.OptionalUInt64())
     assert cpu.SerializeToString() == b"\x0a\x00"
     assert nri_pb2.LinuxCPU.FromString(b"\x0a\x00").HasField("shares")

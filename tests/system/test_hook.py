@@ -19,8 +19,8 @@ import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
 
+from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.state import NodeState
 from nri_cpuplugin.hook import entry as hook
 from nri_cpuplugin.hook import oci
@@ -232,7 +232,7 @@ def test_corrupt_state_is_set_aside_and_rebuilt_from_live_cgroups(box: CgroupSan
 
 def test_lock_is_shared_with_the_daemon_and_the_wait_is_bounded(box: CgroupSandbox) -> None:
     c = box.add(pod("db"), "db", millicores=1000, limit=1000)
-    store = StateStore(box.state_dir)  # the daemon's store: filelock on state.lock
+    store = StateStore(box.state_dir)  # the daemon's store: flock on state.lock
     with store.locked():
         result = box.hook(c, args=["--lock-timeout", "0.3"])
     assert result.returncode == 1

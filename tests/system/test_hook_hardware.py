@@ -1,4 +1,4 @@
-"""Issue 7 on the OCI hook path, against real cgroup v1 on this machine with fake containers.
+"""CPU hotplug and NIC locality on the OCI hook path, against real cgroup v1 with fake containers.
 
 * CPU hotplug: the hook reconciles the online CPUs on every run.  CPU 1 of this machine is
   never taken offline here (tests/e2e/test_hotplug.py does that, with the daemon): a generated

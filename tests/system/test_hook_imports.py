@@ -1,6 +1,6 @@
 """The hook starts once per container: it must not load the NRI stack or other heavy modules.
 
-The hook runs with protobuf, grpc, pyroute2, filelock, asyncio, orjson, dataclasses, inspect
+The hook runs with protobuf, grpc, pyroute2, asyncio, orjson, dataclasses, inspect
 and argparse made unimportable (``sys.modules[name] = None`` turns any import of them into
 ImportError), and must not load typing, threading, socket or hashlib either, through both
 entry points, on the allocate (of a container whose pod has a real network namespace, so NIC
@@ -24,7 +24,6 @@ FORBIDDEN = (
     "google.protobuf",
     "grpc",
     "pyroute2",
-    "filelock",
     "asyncio",
     "nri_cpuplugin.nri",
     # Each of these costs the hook more start-up time than its own work (docs/benchmarks.md).
@@ -51,7 +50,7 @@ else:
     from nri_cpuplugin.hook.entry import main
     code = main(sys.argv[1:])
 loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in
-                {{"google", "grpc", "pyroute2", "filelock", "asyncio"}})
+                {{"google", "grpc", "pyroute2", "asyncio"}})
 loaded += sorted(m for m in {absent!r} if m in sys.modules and m not in before)
 print(json.dumps(loaded))
 sys.exit(code)

@@ -1,4 +1,4 @@
-"""The command-line contracts of DESIGN.md, run as a user would run them (a real subprocess)."""
+"""The command-line contracts of README.md, run as a user would run them (a real subprocess)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CPUSet and the Linux cpulist format: kernel/kubelet examples, rejections, properties.
 
-Contract (docs/oci-hooks-and-cgroups.md section 7): accept what kubelet's ``cpuset.Parse``
+Contract (docs/cgroups-and-hooks.md §16): accept what kubelet's ``cpuset.Parse``
 accepts after ``strings.TrimSpace`` (as CRI-O does), print exactly what kubelet's ``String()`` and
 the kernel's ``%*pbl`` print.
 """

@@ -6,13 +6,10 @@ import pytest
 from topologies import topology
 
 from nri_cpuplugin.core.allocator import STRICT_CPU_RESERVATION
+from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
+from nri_cpuplugin.core.annotation import ISOLATED as ISOLATED_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.policy import (
-    EXCLUSIVE_ANNOTATION,
-    ISOLATED_ANNOTATION,
-    PolicyError,
-    StaticPolicy,
-)
+from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import BESTEFFORT, BURSTABLE, GUARANTEED, Workload
 
 P = CPUSet.parse
@@ -75,7 +72,7 @@ def test_eligibility(workload, exclusive, reason):
     assert reason in decision.reason
     if not exclusive:
         assert decision.cpus == policy.shared_pool(CPUSet())
-        assert not decision.mems and not decision.shared_changed
+        assert not decision.mems and decision.shared_before == decision.shared_after
         assert new_state.sharing == {workload.container_id: workload.pod_uid}
         assert new_state.assignments == state.assignments
 

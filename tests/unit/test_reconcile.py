@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from topologies import topology
 
+from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.engine import LiveContainer, reconcile
-from nri_cpuplugin.core.policy import EXCLUSIVE_ANNOTATION, StaticPolicy
+from nri_cpuplugin.core.policy import StaticPolicy
 from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
 
 P = CPUSet.parse

@@ -1,6 +1,6 @@
 """StateStore: atomic durable commits, locking, and a load that never raises.
 
-The crash test at the end is the proof DESIGN.md asks for: a real writer process is SIGKILLed
+The crash test at the end is the proof of atomic commits: a real writer process is SIGKILLed
 at random instants, many times, and every reload must find a whole document it could have
 written.  Set STORE_CRASH_SEED to replay a failing run, STORE_CRASH_KILLS to run longer.
 """
