@@ -89,7 +89,7 @@ def _check_short(path: Path) -> None:
 
 
 def test_limited_paths_live_in_short_private_directories_removed_at_teardown(
-    make_containerd, tmp_path: Path
+    make_containerd, lab: Path, tmp_path: Path
 ) -> None:
     ctrd = make_containerd()
     _check_short(ctrd.short_dir)
@@ -122,9 +122,13 @@ def test_limited_paths_live_in_short_private_directories_removed_at_teardown(
     launcher = runc_harness.hook_program(tmp_path / "bin")
     assert launcher.read_text().startswith(f"#!{link} -IS\n")
 
-    short = ctrd.short_dir
     assert ctrd.teardown() == []
-    assert not short.exists() and not ctrd.dir.exists()
+    assert not ctrd.short_dir.exists() and not ctrd.dir.exists()
+
+    # Reading an instance's configuration (as the packaging tests do) makes nothing.
+    unstarted = containerd_harness.Containerd(ctrd.version, lab=lab)
+    assert unstarted.config()["grpc"]["address"] == unstarted.address
+    assert not unstarted.short_dir.exists() and not unstarted.dir.exists()
 
 
 _KILLED_OWNER = textwrap.dedent(

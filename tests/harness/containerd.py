@@ -128,7 +128,10 @@ class Containerd:
         self.token = token or secrets.token_hex(4)
         self.dir = self.lab / "run" / f"containerd-{version}-{self.token}"
         self.top_cgroup = f"/nri-e2e-{self.token}"
-        self._short: Path | None = None
+        # Its short private directory (harness/shortpaths.py), made by start(): the sockets
+        # (108-byte limit) and containerd's root (the overlayfs snapshotter's mount options
+        # name three paths below it, and mount data is limited to a page).
+        self.short_dir = shortpaths.path_for("containerd", self.token)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._cri: CRIClient | None = None
@@ -136,25 +139,6 @@ class Containerd:
         self._last_log: list[str] = []
 
     # -- paths -----------------------------------------------------------------------------
-
-    @property
-    def short_dir(self) -> Path:
-        """The instance's short private directory (harness/shortpaths.py), made on first use:
-        its sockets (108-byte limit) and containerd's root (the overlayfs snapshotter's mount
-        options name three paths below it, and mount data is limited to a page)."""
-        if self._short is None:
-            self._short = self._make_short()
-        return self._short
-
-    def _make_short(self, path: Path | None = None) -> Path:
-        return shortpaths.make(
-            "containerd", path, instance=self.dir, top=self.top_cgroup, token=self.token
-        )
-
-    @property
-    def _short_or_dir(self) -> Path:
-        # Teardown must not make a short directory just to look into it.
-        return self._short if self._short is not None else self.dir
 
     @property
     def root(self) -> Path:
@@ -309,8 +293,10 @@ class Containerd:
     def _prepare(self) -> None:
         for sub in ("state", "tmp", "cni/bin", "cni/net.d", "cdi", "logs", "opt"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        if not self.short_dir.exists():  # removed by an earlier teardown(): same path again
-            self._make_short(self.short_dir)
+        # Also after a teardown(), which removed it: the paths stay what they were.
+        shortpaths.ensure(
+            "containerd", self.short_dir, instance=self.dir, top=self.top_cgroup, token=self.token
+        )
         self.root.mkdir(exist_ok=True)
         self.plugin_path.mkdir(parents=True, exist_ok=True)
         self.plugin_config_path.mkdir(parents=True, exist_ok=True)
@@ -485,7 +471,7 @@ class Containerd:
         # exiting and could not be recognised any more.
         tracked = {
             pid: host.start_time(pid)
-            for pid in _instance_pids(self.dir, self._short_or_dir, self.top_cgroup)
+            for pid in _instance_pids(self.dir, self.short_dir, self.top_cgroup)
         }
         if self.running and self._cri is not None:
             with contextlib.suppress(Exception):
@@ -495,7 +481,7 @@ class Containerd:
         self.stop(timeout)
         with contextlib.suppress(OSError):
             self._last_log = self.log_path.read_text(errors="replace").splitlines()[-200:]
-        _cleanup(self.dir, self._short_or_dir, self.top_cgroup, timeout)
+        _cleanup(self.dir, self.short_dir, self.top_cgroup, timeout)
         self._images_imported = False  # a later start() begins with an empty root again
         deadline = time.monotonic() + timeout
         while alive := [p for p, t in tracked.items() if host.is_alive(p, t)]:
@@ -509,12 +495,12 @@ class Containerd:
 
     def leftovers(self) -> list[str]:
         """What of this instance still exists: processes, mounts, cgroup dirs, directories."""
-        return _leftovers(self.dir, self._short_or_dir, self.top_cgroup)
+        return _leftovers(self.dir, self.short_dir, self.top_cgroup)
 
     def processes(self) -> list[int]:
         """Pids of shims, containers and plugins belonging to this instance (not containerd)."""
         own = self.pid
-        short = self._short_or_dir
+        short = self.short_dir
         return [p for p in _instance_pids(self.dir, short, self.top_cgroup) if p != own]
 
 

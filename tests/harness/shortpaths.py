@@ -19,11 +19,12 @@ no whitespace (no quoting at all)       to the test interpreter (:func:`interpre
 cgroup names (255 bytes a component) never contain a path: they are built from tokens and
 container ids only, so they need nothing here.
 
-Each directory is made with ``mkdtemp`` (mode 0700) under /run - or /tmp where /run is not
-writable - so its path is about 25 characters whatever the checkout path, and holds an
-``owner.json`` naming the test process that made it (pid and start time).  Its owner removes it
-at teardown; :func:`stale` finds the ones whose owner died (a killed test run), so the
-harness' ``reap_stale`` functions can remove them with everything that used them.
+Each directory is made under /run - or /tmp where /run is not writable - with mode 0700 and a
+fresh name (``mkdtemp``, or an instance's random token), so its path is about 25 characters
+whatever the checkout path, and holds an ``owner.json`` naming the test process that made it
+(pid and start time).  Its owner removes it at teardown; :func:`stale` finds the ones whose
+owner died (a killed test run), so the harness' ``reap_stale`` functions can remove them with
+everything that used them.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def owner() -> list[int | None]:
 def make(kind: str, path: Path | None = None, within: Path | None = None, **meta: Any) -> Path:
     """A new short private directory for ``kind`` (``containerd``, ``podman``, ...), with
     ``meta`` (e.g. the instance directory and top cgroup) recorded next to its owner.
-    ``path``: make this one again (an instance started again after its teardown keeps its
-    socket paths); it must not exist.  ``within``: one of :data:`BASES` other than
-    :func:`base`, for something big (/run is often a small tmpfs)."""
+    ``path``: make exactly this one (see :func:`path_for`); it must not exist.  ``within``:
+    one of :data:`BASES` other than :func:`base`, for something big (/run is often a small
+    tmpfs)."""
     if within is not None and within not in BASES:
         raise ShortPathError(f"{within} is not one of {[str(b) for b in BASES]}")
     if path is None:
@@ -91,6 +92,28 @@ def make(kind: str, path: Path | None = None, within: Path | None = None, **meta
     tmp = path / f".{OWNER_FILE}.tmp"
     tmp.write_text(json.dumps(record))
     tmp.rename(path / OWNER_FILE)
+    return path
+
+
+def path_for(kind: str, token: str) -> Path:
+    """Where :func:`ensure` makes ``kind``'s directory for ``token`` (an instance's random
+    token): known before anything is made, so reading an instance's paths makes nothing."""
+    return base() / f"{PREFIX}{kind}-{token}"
+
+
+def ensure(kind: str, path: Path, **meta: Any) -> Path:
+    """``path`` made (as :func:`make` does) unless this process already made it; a directory
+    of that name owned by anyone else is an error, never shared."""
+    try:
+        record = json.loads((path / OWNER_FILE).read_text())
+    except FileNotFoundError:
+        if path.exists():
+            raise ShortPathError(f"{path} exists without an owner record") from None
+        return make(kind, path, **meta)
+    except (OSError, ValueError) as e:
+        raise ShortPathError(f"{path}: unreadable owner record ({e})") from None
+    if record.get("kind") != kind or record.get("owner") != owner():
+        raise ShortPathError(f"{path} belongs to {record.get('owner')}, not to this process")
     return path
 
 
@@ -139,7 +162,7 @@ def interpreter(python: Path | str = sys.executable) -> Path:
     A symlink: the kernel follows it, and an interpreter started with ``-I -S`` (as the hook
     launcher starts it) only needs its standard library, which it finds through the link's
     target."""
-    python = Path(python)
+    python = Path(python).absolute()  # the link's target is read relative to the link
     name = "python-" + hashlib.sha256(str(python).encode()).hexdigest()[:8]
     link = _session_dir() / name
     if not link.is_symlink():
