@@ -4,6 +4,7 @@ this 2-CPU machine: CPU 0 reserved (and shared), CPU 1 exclusive."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -135,9 +136,11 @@ def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_contai
     state_dir = tmp_path / "state"
     launcher = containerd.plugin_path / "10-cpuplugin"
     launcher.parent.mkdir(parents=True, exist_ok=True)
+    # Quoted: the checkout (and with it the interpreter) may have spaces in its path.
     launcher.write_text(
-        f"#!/bin/sh\ncd {REPO}\nexec {sys.executable} -m nri_cpuplugin.cli run "
-        f"2>>{tmp_path / 'launched.log'}\n"
+        f"#!/bin/sh\ncd {shlex.quote(str(REPO))}\n"
+        f"exec {shlex.quote(sys.executable)} -m nri_cpuplugin.cli run "
+        f"2>>{shlex.quote(str(tmp_path / 'launched.log'))}\n"
     )
     launcher.chmod(0o755)
     containerd.plugin_config_path.mkdir(parents=True, exist_ok=True)

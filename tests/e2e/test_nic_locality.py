@@ -15,6 +15,7 @@ and generated 2- and 8-node machines in tests/system/test_nic.py.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,8 @@ def containerd(make_containerd, containerd_version, lower):
     conf_dir.mkdir(parents=True, exist_ok=True)
     for name in ("nri-test-cni", "loopback"):
         script = bin_dir / name
-        script.write_text(f'#!/bin/sh\nexec {sys.executable} {PLUGIN} "$@"\n')
+        # Quoted: the checkout (and with it the interpreter) may have spaces in its path.
+        script.write_text(f'#!/bin/sh\nexec {shlex.join([sys.executable, str(PLUGIN)])} "$@"\n')
         script.chmod(0o755)
     (conf_dir / "10-nri-test.conflist").write_text(
         json.dumps(

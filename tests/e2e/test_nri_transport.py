@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -145,7 +146,8 @@ def test_runtime_launched_plugin_uses_fd_3(make_containerd, tmp_path):
     launcher = containerd.plugin_path / "50-transport"
     launcher.parent.mkdir(parents=True, exist_ok=True)
     # The runtime gives launched plugins no PATH: name the interpreter absolutely.
-    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {PLUGIN}\n")
+    # Quoted: the checkout (and with it the interpreter) may have spaces in its path.
+    launcher.write_text(f"#!/bin/sh\nexec {shlex.join([sys.executable, str(PLUGIN)])}\n")
     launcher.chmod(0o755)
     conf = containerd.plugin_config_path / "50-transport.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)

@@ -161,7 +161,9 @@ def install_launched_plugin(ctrd: Containerd, state_dir: Path) -> None:
 
     ctrd.plugin_path.mkdir(parents=True)
     launcher = ctrd.plugin_path / LAUNCHER.name
-    launcher.write_text(replace_once(LAUNCHER.read_text(), INSTALLED_PROGRAM, str(PROGRAM)))
+    # Quoted for the shell: this checkout's path (the venv's) may have spaces.
+    program = shlex.quote(str(PROGRAM))
+    launcher.write_text(replace_once(LAUNCHER.read_text(), INSTALLED_PROGRAM, program))
     launcher.chmod(LAUNCHER.stat().st_mode & 0o7777)  # as shipped (checked: 0755)
     ctrd.plugin_config_path.mkdir(parents=True)
     conf = LAUNCHED_CONF.read_text()

@@ -1,16 +1,17 @@
 """A private, disposable containerd (1.7 or 2.1) with NRI enabled, for the e2e tests.
 
-Each :class:`Containerd` owns one directory under ``<lab>/run/`` holding its config, root,
-state, sockets, runc state, NRI plugin directories, pod logs and its log file, plus one private
-top cgroup (``/nri-e2e-<token>``) under which every pod cgroup is created.  Nothing is
-installed and the host's containerd (if any) is never touched: binaries come from the pinned
-Debian packages, unpacked into the lab cache.
+Each :class:`Containerd` owns one directory under ``<lab>/run/`` holding its config, state,
+runc state, NRI plugin directories, pod logs and its log file; one short private directory
+(``shortpaths.py``) holding what a long checkout path would break - its sockets and its root;
+and one private top cgroup (``/nri-e2e-<token>``) under which every pod cgroup is created.
+Nothing is installed and the host's containerd (if any) is never touched: binaries come from the
+pinned Debian packages, unpacked into the lab cache.
 
 Teardown (:meth:`Containerd.teardown`, also run by the context manager and by
 :func:`reap_stale` for instances a killed test run left behind) works even when the runtime is
 wedged: CRI removal first, then containerd by pid, then any shim or container process found by
-its cgroup (under the private top cgroup) or by the instance directory on its command line, then
-every mount under the instance directory, then the cgroup directories in every hierarchy.
+its cgroup (under the private top cgroup) or by one of its directories on its command line,
+then every mount under its directories, then the cgroup directories in every hierarchy.
 Processes are only ever signalled by pid.
 """
 
@@ -26,20 +27,16 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image
+from . import debs, host, image, shortpaths
 from .cri import CRIClient, CRIError
 from .packages import CONTAINERD_17, CONTAINERD_21, RUNC
 
 VERSIONS = {"1.7": CONTAINERD_17, "2.1": CONTAINERD_21}
-# Unix socket paths are limited to 108 bytes; beyond this our sockets go to a directory we
-# create under the system temp dir (TMPDIR).
-_MAX_SOCKET_PATH = 100
 _MNT_DETACH = 2
 # containerd always puts shim sockets here; no configuration setting moves them.
 _SHIM_SOCKET_DIR = Path("/run/containerd/s")
@@ -131,10 +128,10 @@ class Containerd:
         self.token = token or secrets.token_hex(4)
         self.dir = self.lab / "run" / f"containerd-{version}-{self.token}"
         self.top_cgroup = f"/nri-e2e-{self.token}"
-        sockets = self.dir
-        if len(str(sockets / "containerd.sock.ttrpc")) > _MAX_SOCKET_PATH:
-            sockets = Path(tempfile.gettempdir()) / f"nri-e2e-{self.token}"
-        self.socket_dir = sockets
+        # Its short private directory (harness/shortpaths.py), made by start(): the sockets
+        # (108-byte limit) and containerd's root (the overlayfs snapshotter's mount options
+        # name three paths below it, and mount data is limited to a page).
+        self.short_dir = shortpaths.path_for("containerd", self.token)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._cri: CRIClient | None = None
@@ -144,14 +141,19 @@ class Containerd:
     # -- paths -----------------------------------------------------------------------------
 
     @property
+    def root(self) -> Path:
+        """containerd's root: content store, snapshots and the pods' shm mounts."""
+        return self.short_dir / "root"
+
+    @property
     def address(self) -> Path:
         """The containerd gRPC socket (CRI and containerd API)."""
-        return self.socket_dir / "containerd.sock"
+        return self.short_dir / "containerd.sock"
 
     @property
     def nri_socket(self) -> Path:
         """Where external NRI plugins connect."""
-        return self.socket_dir / "nri.sock"
+        return self.short_dir / "nri.sock"
 
     @property
     def plugin_path(self) -> Path:
@@ -223,7 +225,7 @@ class Containerd:
             "options": {"BinaryName": self.runc, "Root": self.runc_root, "SystemdCgroup": False},
         }
         common = {
-            "root": d / "root",
+            "root": self.root,
             "state": d / "state",
             "temp": d / "tmp",  # default: the system temp dir
             "grpc": {"address": self.address},
@@ -289,9 +291,13 @@ class Containerd:
         }
 
     def _prepare(self) -> None:
-        for sub in ("root", "state", "tmp", "cni/bin", "cni/net.d", "cdi", "logs", "opt"):
+        for sub in ("state", "tmp", "cni/bin", "cni/net.d", "cdi", "logs", "opt"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        # Also after a teardown(), which removed it: the paths stay what they were.
+        shortpaths.ensure(
+            "containerd", self.short_dir, instance=self.dir, top=self.top_cgroup, token=self.token
+        )
+        self.root.mkdir(exist_ok=True)
         self.plugin_path.mkdir(parents=True, exist_ok=True)
         self.plugin_config_path.mkdir(parents=True, exist_ok=True)
         # Who owns this instance: reap_stale() cleans up after owners that died.
@@ -301,7 +307,7 @@ class Containerd:
                     "version": self.version,
                     "token": self.token,
                     "owner": [os.getpid(), host.start_time(os.getpid())],
-                    "socket_dir": str(self.socket_dir),
+                    "short_dir": str(self.short_dir),
                 }
             )
         )
@@ -465,7 +471,7 @@ class Containerd:
         # exiting and could not be recognised any more.
         tracked = {
             pid: host.start_time(pid)
-            for pid in _instance_pids(self.dir, self.socket_dir, self.top_cgroup)
+            for pid in _instance_pids(self.dir, self.short_dir, self.top_cgroup)
         }
         if self.running and self._cri is not None:
             with contextlib.suppress(Exception):
@@ -475,7 +481,7 @@ class Containerd:
         self.stop(timeout)
         with contextlib.suppress(OSError):
             self._last_log = self.log_path.read_text(errors="replace").splitlines()[-200:]
-        _cleanup(self.dir, self.socket_dir, self.top_cgroup, timeout)
+        _cleanup(self.dir, self.short_dir, self.top_cgroup, timeout)
         self._images_imported = False  # a later start() begins with an empty root again
         deadline = time.monotonic() + timeout
         while alive := [p for p, t in tracked.items() if host.is_alive(p, t)]:
@@ -489,17 +495,19 @@ class Containerd:
 
     def leftovers(self) -> list[str]:
         """What of this instance still exists: processes, mounts, cgroup dirs, directories."""
-        return _leftovers(self.dir, self.socket_dir, self.top_cgroup)
+        return _leftovers(self.dir, self.short_dir, self.top_cgroup)
 
     def processes(self) -> list[int]:
         """Pids of shims, containers and plugins belonging to this instance (not containerd)."""
         own = self.pid
-        return [p for p in _instance_pids(self.dir, self.socket_dir, self.top_cgroup) if p != own]
+        short = self.short_dir
+        return [p for p in _instance_pids(self.dir, short, self.top_cgroup) if p != own]
 
 
 def reap_stale(lab: Path = debs.LAB) -> list[str]:
-    """Clean up instances whose owning test process is gone (a killed or crashed run).
-    Returns what could not be removed."""
+    """Clean up instances whose owning test process is gone (a killed or crashed run): those
+    in ``lab``, and those whose short directory remains (whatever lab they used).  Returns
+    what could not be removed."""
     problems: list[str] = []
     for meta_file in sorted((lab / "run").glob("containerd-*/instance.json")):
         try:
@@ -509,10 +517,27 @@ def reap_stale(lab: Path = debs.LAB) -> list[str]:
             continue
         if host.start_time(pid) == started:
             continue  # its owner still runs (maybe a parallel test session)
-        inst = meta_file.parent
-        _cleanup(inst, Path(meta["socket_dir"]), f"/nri-e2e-{meta['token']}", 10.0)
-        problems += _leftovers(inst, Path(meta["socket_dir"]), f"/nri-e2e-{meta['token']}")
+        # Older records name the directory holding the sockets "socket_dir".
+        short = Path(meta.get("short_dir") or meta.get("socket_dir") or meta_file.parent)
+        problems += _reap(meta_file.parent, short, f"/nri-e2e-{meta['token']}")
+    problems += reap_short_dirs("containerd")
     return problems
+
+
+def reap_short_dirs(*kinds: str) -> list[str]:
+    """Clean up after instances of ``kinds`` whose owner died, found by their short private
+    directories: also when their lab directory is gone or belongs to another checkout.
+    Session directories (the interpreter link) of dead test processes go too."""
+    problems: list[str] = []
+    for short, record in shortpaths.stale(*kinds):
+        inst = Path(record.get("instance", short))
+        problems += _reap(inst, short, record["top"]) if "top" in record else []
+    return problems + shortpaths.reap_sessions()
+
+
+def _reap(inst: Path, short: Path, top: str) -> list[str]:
+    _cleanup(inst, short, top, 10.0)
+    return _leftovers(inst, short, top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,12 +562,12 @@ def _in_cgroup_tree(pid: int, top: str) -> bool:
     return any(p == top or p.startswith(f"{top}/") for p in paths)
 
 
-def _instance_pids(inst: Path, socket_dir: Path, top: str) -> list[int]:
+def _instance_pids(inst: Path, short: Path, top: str) -> list[int]:
     """Live processes of an instance: in a cgroup under ``top`` in any hierarchy (containers,
-    pause), or with the instance or socket directory on the command line (containerd, shims,
+    pause), or with the instance or short directory on the command line (containerd, shims,
     runc, runtime-launched NRI plugins).  Never this process or its ancestors."""
     exclude = _ancestors()
-    needles = [f"{inst}/".encode(), f"{socket_dir}/".encode()]
+    needles = [f"{inst}/".encode(), f"{short}/".encode()]
     found = []
     for pid in host.pids():
         if pid in exclude:
@@ -559,12 +584,12 @@ def _describe(pid: int) -> str:
     return host.cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()[:300]
 
 
-def _kill_instance_processes(inst: Path, socket_dir: Path, top: str, timeout: float) -> None:
+def _kill_instance_processes(inst: Path, short: Path, top: str, timeout: float) -> None:
     """SIGKILL (by pid) until none is left; processes may fork or exit meanwhile, so rescan."""
     deadline = time.monotonic() + timeout
     sockets: set[str] = set()
     killed: dict[int, int | None] = {}
-    while pids := _instance_pids(inst, socket_dir, top):
+    while pids := _instance_pids(inst, short, top):
         for pid in pids:
             if b"containerd-shim" in host.cmdline(pid):
                 # A SIGKILLed shim leaves its socket in /run/containerd/s; note it first.
@@ -620,11 +645,11 @@ def _rmdir_cgroups(top: str, timeout: float) -> None:
             time.sleep(0.05)  # tasks still exiting keep a cgroup busy for a moment
 
 
-def _cleanup(inst: Path, socket_dir: Path, top: str, timeout: float) -> None:
-    _kill_instance_processes(inst, socket_dir, top, timeout)
-    _umount_all(inst, socket_dir)
+def _cleanup(inst: Path, short: Path, top: str, timeout: float) -> None:
+    _kill_instance_processes(inst, short, top, timeout)
+    _umount_all(inst, short)
     _rmdir_cgroups(top, timeout)
-    for d in {inst, socket_dir}:
+    for d in {inst, short}:
         if d.exists() and not host.mounts_under(d):  # never rmtree through a mount
             shutil.rmtree(d, ignore_errors=True)
     # containerd always creates /run/containerd/s for shim sockets.  Remove the directories once
@@ -644,9 +669,9 @@ def _any_containerd_running() -> bool:
     return False
 
 
-def _leftovers(inst: Path, socket_dir: Path, top: str) -> list[str]:
-    problems = [f"process {p}: {_describe(p)}" for p in _instance_pids(inst, socket_dir, top)]
-    problems += [f"mount {p}" for p in host.mounts_under(inst, socket_dir)]
+def _leftovers(inst: Path, short: Path, top: str) -> list[str]:
+    problems = [f"process {p}: {_describe(p)}" for p in _instance_pids(inst, short, top)]
+    problems += [f"mount {p}" for p in host.mounts_under(inst, short)]
     problems += [f"cgroup {d}" for d in _cgroup_dirs(top)]
-    problems += [f"directory {d}" for d in sorted({inst, socket_dir}) if d.exists()]
+    problems += [f"directory {d}" for d in sorted({inst, short}) if d.exists()]
     return problems

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LAB = Path(os.environ.get("NRI_LAB_DIR", REPO / ".lab"))
+# Absolute once, here: the harness starts runtimes in other working directories.
+LAB = Path(os.environ.get("NRI_LAB_DIR", REPO / ".lab")).absolute()
 SUITES = ("bookworm", "trixie", "sid")
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 

@@ -36,6 +36,12 @@ def mounts() -> list[tuple[str, str]]:
     return [(point, fstype) for point, fstype, _ in _mountinfo()]
 
 
+def mount_options_under(*roots: Path | str) -> list[tuple[str, str, str]]:
+    """``(mount point, fs type, superblock options)`` of the mounts at or below ``roots``; an
+    overlay's options name its lowerdir, upperdir and workdir."""
+    return [m for m in _mountinfo() if is_under(m[0], *roots)]
+
+
 def mounts_under(*roots: Path | str) -> list[str]:
     """Mount points at or below any of ``roots``."""
     return [p for p, _ in mounts() if is_under(p, *roots)]

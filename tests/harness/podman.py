@@ -12,9 +12,11 @@ workarounds:
    libsubid through its RUNPATH instead.
 3. runc, not crun: bookworm's crun 1.8.1 refuses a hybrid cgroup host.
 
-Everything lives in one instance directory under ``<lab>/run/`` plus a private top cgroup used
-as the containers' ``--cgroup-parent``; teardown removes the containers, then kills any
-process left (by pid), unmounts and removes cgroups and the directory.
+Storage, configuration, logs and the rootfs live in one instance directory under
+``<lab>/run/``; the runroot (podman refuses one longer than 50 characters) in a short private
+directory (``shortpaths.py``); the containers in a private top cgroup used as their
+``--cgroup-parent``.  Teardown removes the containers, then kills any process left (by pid),
+unmounts and removes cgroups and both directories.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image, runc
+from . import debs, host, image, runc, shortpaths
 from .containerd import _cleanup, _leftovers
 from .packages import PATCHELF, PODMAN_STACK, RUNC
 
 LIB = "usr/lib/x86_64-linux-gnu"
+# The patched binary's cache key: the packages, and the form of its RUNPATH (2: relative).
+_PODMAN_KEY = hashlib.sha256(
+    ":".join(["2", *(deb.sha256 for deb in (*PODMAN_STACK, PATCHELF))]).encode()
+).hexdigest()[:12]
 # Podman itself leaves these behind on any host (runc's state root, libmount's utab); they are
 # shared, empty-when-unused directories that we remove only if empty.
 _SHARED_DIRS = (Path("/run/runc"), Path("/run/mount"))
@@ -46,11 +52,15 @@ class PodmanError(RuntimeError):
 
 
 def _patched_podman(lab: Path) -> Path:
-    """The podman binary with a RUNPATH to the extracted libraries (built once, cached)."""
+    """The podman binary with a RUNPATH to the extracted libraries (built once, cached).
+
+    The RUNPATH is relative to the binary ($ORIGIN): it names no checkout path, so a ':' in
+    that path (the RUNPATH separator) cannot split it, and a lab that moved keeps working."""
     trees = [debs.unpack(deb, lab) for deb in PODMAN_STACK]
-    libs = ":".join(str(t / LIB) for t in trees if (t / LIB).is_dir())
-    key = hashlib.sha256(":".join(deb.sha256 for deb in (*PODMAN_STACK, PATCHELF)).encode())
-    target_dir = lab / "podman-bin" / key.hexdigest()[:12]
+    target_dir = lab / "podman-bin" / _PODMAN_KEY
+    libs = ":".join(
+        f"$ORIGIN/{os.path.relpath(t / LIB, target_dir)}" for t in trees if (t / LIB).is_dir()
+    )
     target = target_dir / "podman"
     if target.exists():
         return target
@@ -85,6 +95,7 @@ class Podman:
         self.top = f"/nri-hook-{self.token}"
         self.dir = lab / "run" / f"podman-{self.token}"
         self.rootfs = self.dir / "rootfs"
+        self.short: Path | None = None
         self._binary: Path | None = None
 
     # --- setup -------------------------------------------------------------------------------
@@ -106,18 +117,36 @@ class Podman:
     def storage_conf(self) -> Path:
         return self.dir / "storage.conf"
 
+    @property
+    def runroot(self) -> Path:
+        assert self.short is not None, "start() first"
+        return self.short / "runroot"
+
+    @property
+    def tmp_dir(self) -> Path:
+        # Not limited: conmon binds the attach sockets below it through /proc/self/fd/N/.
+        return self.dir / "tmp"
+
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.short = shortpaths.make("podman", instance=self.dir, top=self.top)
         (self.dir / "owner.json").write_text(
-            json.dumps({"owner": [os.getpid(), host.start_time(os.getpid())], "top": self.top})
+            json.dumps(
+                {
+                    "owner": [os.getpid(), host.start_time(os.getpid())],
+                    "top": self.top,
+                    "short": str(self.short),
+                }
+            )
         )
         self._binary = _patched_podman(self.lab)
         trees = {deb.name: debs.unpack(deb, self.lab) for deb in PODMAN_STACK}
         runc_binary = debs.unpack(RUNC, self.lab) / "usr/sbin/runc"
         conmon = trees["conmon"] / "usr/bin/conmon"
         seccomp = trees["golang-github-containers-common"] / "usr/share/containers/seccomp.json"
-        for d in ("root", "runroot", "tmp", "volumes", "net"):
-            (self.dir / d).mkdir(exist_ok=True)
+        for d in (self.dir / "root", self.runroot, self.tmp_dir, self.dir / "volumes"):
+            d.mkdir(exist_ok=True)
+        (self.dir / "net").mkdir(exist_ok=True)
         self.conf.write_text(
             "[containers]\n"
             'log_driver = "k8s-file"\n'
@@ -132,7 +161,7 @@ class Podman:
             'runtime = "runc"\n'
             f"conmon_path = [{_toml_string(conmon)}]\n"
             f"hooks_dir = [{_toml_string(self.hooks_dir)}]\n"
-            f"tmp_dir = {_toml_string(self.dir / 'tmp')}\n"
+            f"tmp_dir = {_toml_string(self.tmp_dir)}\n"
             f"volume_path = {_toml_string(self.dir / 'volumes')}\n"
             'lock_type = "file"\n'
             "\n[engine.runtimes]\n"
@@ -144,7 +173,7 @@ class Podman:
             "[storage]\n"
             'driver = "vfs"\n'
             f"graphroot = {_toml_string(self.dir / 'root')}\n"
-            f"runroot = {_toml_string(self.dir / 'runroot')}\n"
+            f"runroot = {_toml_string(self.runroot)}\n"
         )
         if not self.rootfs.exists():
             # A private copy: podman writes /etc/hosts and friends into a --rootfs.
@@ -172,7 +201,7 @@ class Podman:
             "--root",
             str(self.dir / "root"),
             "--runroot",
-            str(self.dir / "runroot"),
+            str(self.runroot),
             "--hooks-dir",
             str(self.hooks_dir),
             *args,
@@ -234,11 +263,12 @@ class Podman:
         if self._binary is not None:
             with contextlib.suppress(Exception):
                 self.run(["rm", "--all", "--force", "--time", "0"], check=False, timeout=60)
-        _cleanup(self.dir, self.dir, self.top, 10.0)
+        short = self.short or self.dir
+        _cleanup(self.dir, short, self.top, 10.0)
         for d in _SHARED_DIRS:
             with contextlib.suppress(OSError):
                 d.rmdir()  # only if empty: another podman's or runc's files stay
-        return _leftovers(self.dir, self.dir, self.top)
+        return _leftovers(self.dir, short, self.top)
 
 
 def prepare(lab: Path = debs.LAB) -> None:

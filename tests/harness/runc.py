@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image
-from .containerd import _cleanup, _leftovers
+from . import debs, host, image, shortpaths
+from .containerd import _cleanup, _leftovers, reap_short_dirs
 from .packages import RUNC
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,12 +49,16 @@ class RuncError(RuntimeError):
 
 def hook_program(directory: Path, python: Path = VENV_PYTHON) -> Path:
     """The hook as installed: the launcher ``nri-cpuplugin install-hook`` writes (the absolute
-    interpreter in its shebang, as runtimes give hooks no PATH; started with -I -S)."""
+    interpreter in its shebang, as runtimes give hooks no PATH; started with -I -S).
+
+    The shebang names ``python`` through a short link (``shortpaths.interpreter``): a shebang
+    cannot quote a space, older kernels cut it at 127 bytes, and the test interpreter lives in
+    the checkout, whose path may be anything.  An operator does the same with ``--python``."""
     from nri_cpuplugin.hook import launcher as hook_launcher
 
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / "nri-cpuplugin-hook"
-    hook_launcher.install(str(program), str(python))
+    hook_launcher.install(str(program), str(shortpaths.interpreter(python)))
     return program
 
 
@@ -586,7 +590,9 @@ class Runc:
 
 def reap_stale(lab: Path = debs.LAB, kinds: Sequence[str] = ("hook", "runc")) -> list[str]:
     """Clean up instances (``<lab>/run/<kind>-*``, each with an owner.json naming its owner
-    process and private top cgroup) whose owning test process is gone."""
+    process, private top cgroup and maybe short directory) whose owning test process is gone,
+    and instances of ``kinds`` found by their short directories alone (another lab's, or one
+    since removed)."""
     problems: list[str] = []
     for meta_file in sorted(
         meta for kind in kinds for meta in (lab / "run").glob(f"{kind}-*/owner.json")
@@ -600,9 +606,10 @@ def reap_stale(lab: Path = debs.LAB, kinds: Sequence[str] = ("hook", "runc")) ->
         if host.start_time(pid) == started:
             continue
         inst = meta_file.parent
-        _cleanup(inst, inst, top, 10.0)
-        problems += _leftovers(inst, inst, top)
-    return problems
+        short = Path(meta.get("short", inst))
+        _cleanup(inst, short, top, 10.0)
+        problems += _leftovers(inst, short, top)
+    return problems + reap_short_dirs(*kinds)
 
 
 def prepare(lab: Path = debs.LAB) -> None:
