@@ -133,3 +133,7 @@ def _cpu_id(digits: str, text: str) -> int:
         shown = significant if len(significant) <= 20 else f"{significant[:20]}..."
         raise ValueError(f"invalid cpulist {text!r}: CPU id {shown} exceeds {MAX_CPU_ID}")
     return int(significant)
+
+
+# The empty set, for defaults (a CPUSet is immutable, so one instance serves everyone).
+EMPTY = CPUSet()

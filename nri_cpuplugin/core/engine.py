@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..base.value import Value
-from .cpuset import CPUSet
+from .cpuset import EMPTY, CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
 from .follow import Followed, follow_online
 from .policy import Decision, NICPreference, PolicyError, StaticPolicy
@@ -183,10 +183,13 @@ class Engine:
         workload: Workload,
         nic: NICPreference | None = None,
         nic_note: str | None = None,
+        unavailable: CPUSet = EMPTY,
     ) -> Outcome:
         """A container is being created: exclusive CPUs or the shared pool.  Raises
-        PolicyError (see ``refused``) when its request cannot be met; nothing changes then."""
-        decision, new_state = self.policy.admit(state, workload, nic)
+        PolicyError (see ``refused``) when its request cannot be met; nothing changes then.
+        ``unavailable``: CPUs running containers are pinned to although the state does not
+        name them (it was lost, and the runtime has not listed its containers yet)."""
+        decision, new_state = self.policy.admit(state, workload, nic, unavailable)
         cid = workload.container_id
         targets = (self.target(new_state, cid), *self._moved(state, new_state, exclude=cid))
         who = _who(workload)

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from ..base.value import Value
 from . import annotation
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
-from .cpuset import CPUSet
+from .cpuset import EMPTY, CPUSet
 from .errors import PolicyError
 from .state import Assignment, NodeState, Released
 from .topology import Topology
@@ -160,9 +160,15 @@ class StaticPolicy:
     # --- decisions --------------------------------------------------------------------------
 
     def admit(
-        self, state: NodeState, workload: Workload, nic: NICPreference | None = None
+        self,
+        state: NodeState,
+        workload: Workload,
+        nic: NICPreference | None = None,
+        unavailable: CPUSet = EMPTY,
     ) -> tuple[Decision, NodeState]:
         """Decide a new container's cpuset; raise PolicyError when its request cannot be met.
+        ``unavailable``: CPUs not to hand out although the state does not say they are held
+        (running containers are pinned there and the state that named them was lost).
         ``nic`` steers exclusive CPUs towards the NUMA nodes of the pod's NICs."""
         before = self.shared_pool(state.exclusive)
         held = state.assignments.get(workload.container_id)
@@ -179,7 +185,7 @@ class StaticPolicy:
             state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
             decision = Decision(workload.container_id, False, shared, CPUSet(), before, shared, why)
             return decision, state
-        cpus, how = self._choose(state, workload, count, isolated, nic)
+        cpus, how = self._choose(state, workload, count, isolated, nic, unavailable)
         if not self.shared_pool(state.exclusive | cpus):
             raise PolicyError(
                 f"{_describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
@@ -257,8 +263,9 @@ class StaticPolicy:
         count: int,
         isolated: bool,
         nic: NICPreference | None = None,
+        unavailable: CPUSet = EMPTY,
     ) -> tuple[CPUSet, str]:
-        free = self.free_exclusive(state, isolated)
+        free = self.free_exclusive(state, isolated) - unavailable
         previous = state.released.get((workload.pod_uid, workload.container_name))
         reusable = free & CPUSet().union(
             *(

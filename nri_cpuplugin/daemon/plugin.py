@@ -31,7 +31,7 @@ from ..core.state import NodeState
 from ..core.topology import TopologyError, discover
 from ..core.workload import Workload, from_nri
 from ..hardware import cgroupfs, hotplug, nic
-from ..hardware.liveness import Liveness
+from ..hardware.liveness import Liveness, pinned_cpus
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
@@ -77,6 +77,9 @@ class CPUPlugin:
         # Set when the online set changed since the containers' cgroups were written (found at
         # load): the next Synchronize repairs the cgroups before the runtime applies updates.
         self._cgroups_stale = False
+        # After the state was lost, until the runtime lists its containers: CPUs that running
+        # Guaranteed containers are alone on (liveness.pinned_cpus), never handed out.
+        self.pinned = CPUSet()
         self._sweeping = False
         self._swept_to = ""  # the last container id the sweep checked
         # Validate everything now so a bad configuration fails at start, not at first event.
@@ -115,6 +118,8 @@ class CPUPlugin:
         self.audit.emit(loaded.events)
         state = self.state
         self.unverified = set(state.assignments) | set(state.sharing)
+        if not loaded.trusted:
+            self._learn_pinned()
         if loaded.followed is not None and loaded.trusted:
             # Repair the containers we know now (containerd 1.7 sends a launched plugin no
             # Synchronize), and again at Synchronize for those only the runtime knows.
@@ -223,6 +228,7 @@ class CPUPlugin:
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
             )
         self.unverified.clear()
+        self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
         self.audit.record(
             "synchronize",
@@ -267,11 +273,11 @@ class CPUPlugin:
         preference = locality.preference if locality else None
         note = locality.note if locality else None
         try:
-            outcome = self.engine.create(self.state, workload, preference, note)
+            outcome = self.engine.create(self.state, workload, preference, note, self.pinned)
         except PolicyError as err:
-            if err.code != "refused" or not self._forget_ended(exclusive_only=True).events:
+            if err.code != "refused" or not self._recheck_holders():
                 raise
-            outcome = self.engine.create(self.state, workload, preference, note)
+            outcome = self.engine.create(self.state, workload, preference, note, self.pinned)
         exclusive = outcome.decision is not None and outcome.decision.exclusive
         try:
             return self._commit(outcome, durable=exclusive)
@@ -515,10 +521,37 @@ class CPUPlugin:
         self.audit.emit(outcome.events)
         return outcome
 
+    def _recheck_holders(self) -> bool:
+        """Whether CPUs came free: unverified exclusive holders that ended, or containers
+        pinned before the state was lost that are gone."""
+        freed = bool(self._forget_ended(exclusive_only=True).events)
+        if self.pinned:
+            before = self.pinned
+            self._learn_pinned()
+            freed = freed or self.pinned != before
+        return freed
+
+    def _learn_pinned(self) -> None:
+        """The state is lost (or new): which CPUs are running containers pinned to?  Until the
+        runtime says (Synchronize - containerd 1.7 never sends one to a plugin it launched),
+        those are kept out of exclusive use, so that no CPU is given twice."""
+        pinned = pinned_cpus(self.liveness.root) - self.state.exclusive
+        if pinned != self.pinned and (pinned or self.pinned):
+            self.audit.record(
+                "reconcile",
+                f"running containers are pinned to CPUs {pinned or 'none'} that the state does "
+                "not name (it was lost): kept out of exclusive use until the runtime lists its "
+                "containers",
+                audit_mod.WARNING if pinned else audit_mod.INFO,
+                cpus=pinned,
+                reason="state lost",
+            )
+        self.pinned = pinned
+
     def _start_sweep(self) -> None:
         """Check the unverified containers a few at a time on the event loop, so the shared
         pool grows back when some of them ended, without any event paying for all of them."""
-        if self._sweeping or not self.unverified:
+        if self._sweeping or not (self.unverified or self.pinned):
             return
         import asyncio
 
@@ -531,7 +564,11 @@ class CPUPlugin:
 
     def _sweep(self, loop: Any) -> None:
         self._sweeping = False
-        if self.state is None or not self.unverified:
+        if self.state is None:
+            return
+        if self.pinned:  # containers pinned before the state was lost may have ended
+            self._learn_pinned()
+        if not self.unverified and not self.pinned:
             return
         try:
             with self.store.locked():
@@ -540,7 +577,7 @@ class CPUPlugin:
             log.warning("checking unverified containers failed: %s", err)
         else:
             self._push(outcome.targets)
-        if self.unverified:
+        if self.unverified or self.pinned:
             self._sweeping = True
             loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
 

@@ -9,6 +9,8 @@ cgroup is gone, or holds no process, has ended.
 
 from __future__ import annotations
 
+from ..core.cpuset import CPUSet
+from ..core.workload import GUARANTEED, SHARES_PER_CPU, qos_from_cgroup_parent
 from . import cgroupfs
 
 SYSTEMD_SUFFIX = ".slice"
@@ -55,3 +57,73 @@ class Liveness:
                 return fs.populated(path)
         except cgroupfs.CgroupError:
             return None
+
+
+# A real node has a few hundred pod cgroups; a tree far larger than this is not a kubelet's.
+MAX_SCANNED = 20_000
+
+
+def pinned_cpus(root: str = cgroupfs.DEFAULT_ROOT) -> CPUSet:
+    """CPUs that running Guaranteed containers are pinned to, found in the cgroups below every
+    ``kubepods`` cgroup: a container with a whole-CPU request whose cpuset holds exactly that
+    many CPUs (fewer than the machine's) looks like an exclusive assignment from outside.
+    Used after the state was lost, before the runtime has said what runs, so that no CPU is
+    given twice; conservative - a shared pool that happens to be as large as such a
+    container's request is kept out too, until the runtime's list replaces this guess.
+    Empty when the cgroups cannot be read (nothing to go by)."""
+    pinned = CPUSet()
+    try:
+        layout = cgroupfs.detect(root)
+        with cgroupfs.CgroupFS(layout) as fs:
+            everything = _root_cpus(fs)
+            for top in _kubepods(fs):
+                for path in fs.subtree("cpuset", top)[:MAX_SCANNED]:
+                    if qos_from_cgroup_parent(path) != GUARANTEED:
+                        continue
+                    try:
+                        if fs.children("cpuset", path) or not fs.populated(path):
+                            continue
+                        cpus = fs.cpus(path)
+                        count = _whole_cpus(fs, path)
+                    except cgroupfs.CgroupError:
+                        continue  # gone meanwhile, or no cpu controller to tell its request
+                    if count and len(cpus) == count and cpus != everything:
+                        pinned |= cpus
+    except cgroupfs.CgroupError:
+        return CPUSet()
+    return pinned
+
+
+def _root_cpus(fs: cgroupfs.CgroupFS) -> CPUSet | None:
+    try:
+        return fs.cpus("/")
+    except cgroupfs.CgroupError:
+        return None
+
+
+def _whole_cpus(fs: cgroupfs.CgroupFS, path: str) -> int | None:
+    """The container's CPU request in whole CPUs, from kubelet's cpu.shares (v1) or
+    cpu.weight (v2); None when it is not a whole number."""
+    if fs.layout.version == cgroupfs.V2:
+        weight = int(fs.read("cpu", path, "cpu.weight"))
+        # kubelet: weight = 1 + (shares - 2) * 9999 // 262142, shares = 1024 per CPU.
+        for count in range(1, 1025):
+            if 1 + (count * SHARES_PER_CPU - 2) * 9999 // 262142 == weight:
+                return count
+        return None
+    shares = int(fs.read("cpu", path, "cpu.shares"))
+    return shares // SHARES_PER_CPU if shares % SHARES_PER_CPU == 0 else None
+
+
+def _kubepods(fs: cgroupfs.CgroupFS) -> list[str]:
+    """The kubepods cgroups (cgroupfs driver ``/kubepods``, systemd ``/kubepods.slice``),
+    at the top or one level down (a node's own slice, a test's private parent)."""
+    found = []
+    for child in fs.children("cpuset", "/"):
+        if child.rsplit("/", 1)[-1].startswith("kubepods"):
+            found.append(child)
+            continue
+        for grandchild in fs.children("cpuset", child):
+            if grandchild.rsplit("/", 1)[-1].startswith("kubepods"):
+                found.append(grandchild)
+    return found

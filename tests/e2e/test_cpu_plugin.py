@@ -129,9 +129,8 @@ def test_survives_kill_9_and_restarts(containerd, cri, daemon, tmp_path):
     assert shared  # keeps the fixture's pod referenced for readability
 
 
-def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_containerd, tmp_path):
-    """containerd 1.7 sends a launched plugin no Synchronize: the state file carries the
-    assignments and the shared containers across the plugin's restart."""
+def launched_plugin(make_containerd, tmp_path):
+    """A containerd (not started) with our plugin pre-registered in its plugin directory."""
     containerd = make_containerd(start=False)
     state_dir = tmp_path / "state"
     launcher = containerd.plugin_path / "10-cpuplugin"
@@ -147,6 +146,13 @@ def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_contai
     (containerd.plugin_config_path / "10-cpuplugin.conf").write_text(
         f'reserved_cpus = "0"\nstate_dir = "{state_dir}"\n'
     )
+    return containerd, state_dir
+
+
+def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_containerd, tmp_path):
+    """containerd 1.7 sends a launched plugin no Synchronize: the state file carries the
+    assignments and the shared containers across the plugin's restart."""
+    containerd, state_dir = launched_plugin(make_containerd, tmp_path)
     containerd.start()
     cri = containerd.cri()
     shared = cri.run("shared", [burstable("s")])
@@ -183,3 +189,28 @@ def test_agreement_helper_catches_a_disagreement(containerd, cri, daemon):
     Path(host.cgroup_dir(path), "cpuset.cpus").write_text("0")
     with pytest.raises(AssertionError, match="cgroup has 0, state says 1"):
         check_agreement(daemon, cri)
+
+
+def test_a_lost_state_never_gives_a_cpu_twice(make_containerd, tmp_path):
+    """The state file is replaced by one of a foreign version while the runtime restarts: the
+    relaunched plugin sets it aside, and until the runtime lists its containers (containerd
+    1.7 never does for a launched plugin) the CPU a running Guaranteed container is pinned
+    to is not handed out again."""
+    containerd, state_dir = launched_plugin(make_containerd, tmp_path)
+    containerd.start()
+    cri = containerd.cri()
+    pinned = cri.run("pinned", [guaranteed("p", command=FIRST_LINE)])
+    assert cri.wait_logs(pinned["p"], 1) == ["Cpus_allowed_list:\t1"]
+    containerd.stop()
+    (state_dir / "state.json").write_text('{"version": 99, "assignments": {}}')
+    containerd.start()
+    cri.reconnect()
+    pod_id = cri.run_pod(PodSpec("late", qos="guaranteed"))
+    with pytest.raises(CRIError, match="exclusive"):  # CPU 1 is in use: refused, not given
+        cri.create_container(pod_id, guaranteed("x"))
+    assert list(state_dir.glob("state.json.bad-*")), "the foreign file is kept"
+    assert host.cpus_allowed_list(cri.inspect(pinned["p"]).pid) == "1"
+    # Once the pinned container is gone, its CPU can be given again.
+    cri.stop(pinned["p"])
+    again = cri.run("again", [guaranteed("q", command=FIRST_LINE)])
+    assert cri.wait_logs(again["q"], 1) == ["Cpus_allowed_list:\t1"]
