@@ -1,7 +1,7 @@
 """Named machine fixtures (kubelet cpumanager style) and helpers to materialise them.
 
-Tests import these directly (``from topologies import NAMED, build``); pytest puts ``tests/`` on
-``sys.path`` because the directory has no ``__init__.py``.
+Tests import these directly (``from topologies import NAMED, build``): pyproject.toml's pytest
+``pythonpath`` puts ``tests/`` on the import path, whichever test runs and from wherever.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
 
 from e2e.daemon import Daemon  # noqa: E402
 from harness.containerd import Containerd  # noqa: E402

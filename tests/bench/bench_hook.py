@@ -27,8 +27,6 @@ from typing import Any
 from .stats import percentile, summary
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
 
 from harness import debs  # noqa: E402
 from harness.journald import PrivateJournal  # noqa: E402
@@ -269,7 +267,7 @@ def _check(result: tuple[float, int, str]) -> None:
 
 
 def main() -> None:
-    """``python -m tests.bench.bench_hook [--quick]``: print both benchmarks as JSON."""
+    """``PYTHONPATH=tests python -m bench.bench_hook [--quick]``: print both benchmarks as JSON."""
     quick = "--quick" in sys.argv
     latency = bench_hook_latency(samples=40 if quick else 200)
     shared = bench_hook_contention(rounds=1 if quick else 3)

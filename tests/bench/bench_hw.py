@@ -20,14 +20,12 @@ import contextlib
 import select
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
 
 from e2e.daemon import Daemon, wait_for  # noqa: E402
 from harness import host  # noqa: E402

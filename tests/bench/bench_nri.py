@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fake_runtime import FakeRuntime
 
 from nri_cpuplugin.nri import connection as wire
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
@@ -14,9 +15,6 @@ from nri_cpuplugin.nri.stub import Stub
 
 from .scratch import scratch
 from .stats import summary
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_runtime import FakeRuntime
 
 
 def realistic_pod(i: int = 0) -> pb.PodSandbox:

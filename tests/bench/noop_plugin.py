@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nri_cpuplugin.nri.stub import Stub
 

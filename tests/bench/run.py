@@ -10,11 +10,9 @@ import argparse
 import datetime
 import os
 import platform
-import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
 
 from topologies import topology  # noqa: E402
 

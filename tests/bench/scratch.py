@@ -7,13 +7,10 @@ benchmark creates its own directory there and removes it when done.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
 
 from harness import debs  # noqa: E402
 

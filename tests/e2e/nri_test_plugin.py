@@ -18,9 +18,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nri_cpuplugin.nri.handlers import EVENT_HANDLERS
 from nri_cpuplugin.nri.pb import nri_pb2 as pb

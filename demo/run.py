@@ -1,5 +1,9 @@
 """``./dev demo``: the plugin pinning real containers in a private containerd.
 
+The product's first impression, so it lives beside the package, not among the tests; it
+borrows the test suite's runtime lab (tests/harness: Debian packages unpacked under .lab,
+private containerd instances), which ``./dev demo`` puts on the path.
+
 Sets up containerd 2.1.9 and runc from Debian's archive (cached under .lab/ after the first
 run), starts ``nri-cpuplugin run`` against it, and shows from inside the containers what the
 plugin does: a Guaranteed 1-CPU container is born on its own CPU, a Burstable neighbour is
@@ -14,8 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from e2e.daemon import Daemon
 from harness.containerd import Containerd
