@@ -23,10 +23,13 @@ from collections.abc import Iterable
 from ..base.value import Value
 from .cpuset import EMPTY, CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
-from .follow import Followed, follow_online
 from .policy import Decision, NICPreference, PolicyError, StaticPolicy
 from .state import NodeState
 from .workload import Workload
+
+TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
+if TYPE_CHECKING:
+    from .follow import Followed
 
 CFS_PERIOD_US = 100_000  # kubelet's CFS period: a degraded container's quota is count * this
 UNLIMITED = -1  # a CFS quota of -1 lifts the limit
@@ -133,6 +136,8 @@ class Engine:
         followed = None
         state = stored
         if state is not None and state.fingerprint != self.topology.fingerprint():
+            from .follow import follow_online  # only when the CPUs changed: rare
+
             followed = follow_online(policy, state)
             events.append(
                 event(
@@ -299,6 +304,8 @@ class Engine:
         """The online CPUs changed (this engine's policy has the new topology; ``previous`` the
         old one): every assignment follows, and every container whose cpuset changed gets a
         target."""
+        from .follow import follow_online
+
         followed = follow_online(self.policy, state, previous=previous.topology)
         after = followed.state
         tracked = set(after.assignments) | set(after.sharing)
