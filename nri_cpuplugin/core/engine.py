@@ -280,6 +280,46 @@ class Engine:
             return Outcome(state)  # not a container we place
         return Outcome(state, None, (self.target(state, cid),))
 
+    def resize(self, state: NodeState, workload: Workload) -> Outcome:
+        """A container's resources changed in place (kubelet's in-place resize): exclusive
+        CPUs grow or shrink around what it holds (core/resize.py), a container crosses between
+        shared and exclusive, and the shared pool and its followers move in the same outcome.
+        Raises PolicyError when growth cannot be met; nothing changes then."""
+        cid = workload.container_id
+        held = state.assignments.get(cid)
+        if held is None:
+            if cid not in state.sharing:
+                return Outcome(state)  # not a container we place
+            if self.policy.eligibility(workload)[0] is None:
+                return self.update(state, cid)
+            decision, new_state = self.policy.admit(state, workload)  # shared -> exclusive
+        else:
+            from .resize import resize  # only when resources change: rare
+
+            decision, new_state = resize(self.policy, state, workload, held)
+            if new_state is state:
+                return self.update(state, cid)
+        targets = (self.target(new_state, cid), *self._moved(state, new_state, exclude=cid))
+        events = [
+            event(
+                "resize",
+                f"{_who(workload)} resized: "
+                + (
+                    f"exclusive CPUs {decision.cpus} (NUMA {decision.mems})"
+                    if decision.exclusive
+                    else f"runs in the shared pool {decision.cpus}"
+                )
+                + f": {decision.reason}",
+                reason=decision.reason,
+                cpus=decision.cpus,
+                mems=decision.mems,
+                old_cpus=held.cpus if held is not None else state.shared,
+                **workload.identity(),
+            ),
+            *self._resized(state, new_state, "resize"),
+        ]
+        return Outcome(new_state, decision, targets, tuple(events))
+
     def remove_pod(self, state: NodeState, pod_uid: str) -> Outcome:
         """The pod is gone: what its containers held or are remembered by is dropped."""
         new_state = self.policy.forget_pod(state, pod_uid)

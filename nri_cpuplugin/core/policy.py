@@ -188,7 +188,7 @@ class StaticPolicy:
         cpus, how = self._choose(state, workload, count, isolated, nic, unavailable)
         if not self.shared_pool(state.exclusive | cpus):
             raise PolicyError(
-                f"{_describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
+                f"{describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
                 f"leave the shared pool empty (shared now: {shared}); lower the request or "
                 "reserve fewer CPUs"
             )
@@ -252,6 +252,11 @@ class StaticPolicy:
                 f"guaranteed with {workload.cpu_request_milli}m (not whole CPUs) shares",
                 False,
             )
+        limit = workload.cpu_limit_milli
+        if limit is not None and limit != workload.cpu_request_milli:
+            # kubelet's Guaranteed means limit == request; an in-place update that breaks it
+            # makes the container Burstable-shaped (its QoS class cannot change in place).
+            return None, f"CPU limit {limit}m differs from request (Burstable-shaped) shares", False
         if opt_out is False:
             return None, f"opted out by {annotation.EXCLUSIVE}", False
         return count, f"guaranteed with {count} whole CPUs", wants_isolated
@@ -309,7 +314,7 @@ class StaticPolicy:
             assert nic is not None
             near_free = free & self.node_cpus(nic.nodes)
             raise PolicyError(
-                f"{_describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
+                f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
                 f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
                 f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
                 f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
@@ -317,7 +322,7 @@ class StaticPolicy:
             )
         reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
         raise PolicyError(
-            f"{_describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
+            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
             f"{free or 'none'} ({len(free)}): {reason}"
         )
 
@@ -393,10 +398,11 @@ def _track_cgroup(state: NodeState, workload: Workload) -> NodeState:
     return state.evolve(cgroups={**state.cgroups, workload.container_id: workload.cgroup_path})
 
 
-def _describe(workload: Workload) -> str:
+def describe(workload: Workload) -> str:
+    """The container as a message names it."""
     pod = f"{workload.pod_namespace}/{workload.pod_name}" if workload.pod_name else workload.pod_uid
     return f"container {workload.container_name!r} of pod {pod}"
 
 
 def _annotation_flag(workload: Workload, key: str) -> bool | None:
-    return annotation.flag(workload.annotations, key, workload.container_name, _describe(workload))
+    return annotation.flag(workload.annotations, key, workload.container_name, describe(workload))

@@ -65,6 +65,10 @@ class Assignment(Value):
     nic_nodes: CPUSet = CPUSet()
     nics: tuple[str, ...] = ()
     nic_strict: bool = False
+    # In-place resize: the CPUs it started with (empty: never resized, ``cpus`` are those) and
+    # the CPUs added since, oldest first - a shrink gives back the newest first.
+    initial: CPUSet = CPUSet()
+    added: tuple[int, ...] = ()
 
     @property
     def degraded(self) -> bool:
@@ -143,6 +147,10 @@ def _assignment_document(a: Assignment) -> dict[str, Any]:
         entry["nics"] = list(a.nics)
     if a.nic_strict:
         entry["nic_strict"] = True
+    if a.initial:
+        entry["initial"] = str(a.initial)
+    if a.added:
+        entry["added"] = list(a.added)
     return entry
 
 
@@ -230,7 +238,15 @@ def _assignment(cid: str, entry: Any) -> Assignment:
         nic_nodes=CPUSet.parse(shape.string(entry, "nic_nodes", optional=True) or ""),
         nics=tuple(shape.strings(entry.get("nics", []), f"assignment {cid!r} nics")),
         nic_strict=shape.boolean(entry, "nic_strict"),
+        initial=CPUSet.parse(shape.string(entry, "initial", optional=True) or ""),
+        added=tuple(_cpu_ids(entry.get("added", []), f"assignment {cid!r} added")),
     )
+
+
+def _cpu_ids(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise TypeError(f"{what} must be a list of CPU ids")
+    return value
 
 
 def _released(entry: Any) -> tuple[tuple[str, str], Released]:

@@ -292,9 +292,30 @@ class CPUPlugin:
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
-        """Someone (kubelet, an operator) updates resources: keep our cpuset (nri-wire.md §9.2)."""
-        outcome = self.engine.update(self.state, container.id)
-        return [self._update(t, ignore_failure=False) for t in outcome.targets]
+        """Someone (kubelet's in-place resize, an operator) updates resources.  A new CPU
+        request resizes the container (core/resize.py); anything else keeps our cpuset in
+        force.  A growth that cannot be met fails the update: kubelet reports the resize as
+        failed and retries."""
+        if not resources.cpu.HasField("shares"):
+            outcome = self.engine.update(self.state, container.id)  # not about CPUs
+            return [self._update(t, ignore_failure=False) for t in outcome.targets]
+        updated = pb.Container()
+        updated.CopyFrom(container)
+        updated.linux.resources.CopyFrom(resources)
+        workload = from_nri(pod, updated)
+        try:
+            with self.store.locked():
+                outcome = self.engine.resize(self.state, workload)
+                exclusive = outcome.decision is not None and outcome.decision.exclusive
+                self._commit(outcome, durable=exclusive)
+        except (PolicyError, OSError) as err:
+            error = err if isinstance(err, PolicyError) else PolicyError(str(err), "not-durable")
+            self.audit.emit([self.engine.refused(workload, error)])
+            raise error from None
+        self.audit.emit(outcome.events)
+        return [
+            self._update(t, ignore_failure=t.container_id != container.id) for t in outcome.targets
+        ]
 
     def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container

@@ -25,6 +25,7 @@ Nothing sets it in production; the runtime passes hooks exactly the ``env`` of t
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
@@ -91,6 +92,9 @@ class Options(Value):
     fault: str | None = None
 
 
+_NONE: Mapping = MappingProxyType({})
+
+
 class _View(Value):
     """What one run found under the lock, before deciding anything."""
 
@@ -104,6 +108,8 @@ class _View(Value):
     # cgroup v1: live containers whose cpuset the kernel emptied (a CPU went offline), their
     # processes moved to an ancestor; they are put back once the cpuset has CPUs again.
     evicted: frozenset[str] = frozenset()
+    # Records of containers resized in place since the last run (to rewrite).
+    resized: Mapping[str, Record] = _NONE
 
 
 class Hook:
@@ -185,12 +191,13 @@ class Hook:
 
             # Commit, then act.  The record of a newly placed container is written first, so
             # every container a committed state names can be found again.
-            targets = {
-                c.workload.container_id: view.records[c.workload.container_id] for c in view.live
-            }
+            records = {**view.records, **view.resized}
+            targets = {c.workload.container_id: records[c.workload.container_id] for c in view.live}
             exclusive = placed and outcome.decision.exclusive
             durable, unsaved = True, ""
             try:
+                for record in view.resized.values():
+                    self.records.write(dir_fd, record)
                 if placed:
                     targets[workload.container_id] = Record(workload, cgroups)
                     self.records.write(dir_fd, targets[workload.container_id])
@@ -286,6 +293,7 @@ class Hook:
         if workload is not None:
             pods.add(workload.pod_uid)
         observed = observed.then(engine.synchronize(observed.state, live, pods))
+        observed, resized = self._resized(engine, fs, observed, live, records)
         return _View(
             result.state,
             loaded,
@@ -295,7 +303,37 @@ class Hook:
             requested,
             observed,
             frozenset(evicted),
+            resized,
         )
+
+    def _resized(
+        self,
+        engine: Engine,
+        fs: CgroupFS,
+        observed: Outcome,
+        live: list[LiveContainer],
+        records: Mapping[str, Record],
+    ) -> tuple[Outcome, dict[str, Record]]:
+        """In-place resizes since the last run: ``runc update`` runs no hook, so the CPU
+        request in each live container's cgroup is compared with its record.  A change is
+        resized as the daemon would (core/resize.py); growth that cannot be met keeps the
+        container where it is, said in the audit trail.  Returns the records to rewrite."""
+        changed: dict[str, Record] = {}
+        for container in live:
+            record = records[container.workload.container_id]
+            request = _request_milli(fs, record)
+            if request is None or request == record.workload.cpu_request_milli:
+                continue
+            # kubelet keeps a Guaranteed container's limit equal to its request.
+            limit = request if record.workload.cpu_limit_milli is not None else None
+            workload = record.workload.evolve(cpu_request_milli=request, cpu_limit_milli=limit)
+            try:
+                observed = observed.then(engine.resize(observed.state, workload))
+            except PolicyError as err:
+                self.audit.emit([engine.refused(workload, err)])
+                continue
+            changed[workload.container_id] = record.evolve(workload=workload)
+        return observed, changed
 
     def _live(
         self, fs: CgroupFS, known: set[str], records: Mapping[str, Record]
@@ -487,6 +525,22 @@ def _place(tx: Transaction, record: Record, target: Target) -> bool:
         else:
             changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
     return changed
+
+
+def _request_milli(fs: CgroupFS, record: Record) -> int | None:
+    """The container's CPU request as its cgroup says now (kubelet's cpu.shares or, on cgroup
+    v2, cpu.weight); None when it cannot be read."""
+    from ..core.workload import millicores_from_shares
+
+    if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
+        # cgroup v2's cpu.weight is kubelet's shares squeezed into 1-10000: it cannot give
+        # the request back exactly, and a wrong guess would move a container.  Not caught.
+        return None
+    try:
+        shares = int(fs.read("cpu", record.cgroups.cpu, "cpu.shares"))
+    except (CgroupError, ValueError):
+        return None
+    return millicores_from_shares(shares)
 
 
 def _evicted(fs: CgroupFS, record: Record) -> bool:

@@ -214,3 +214,28 @@ def test_a_lost_state_never_gives_a_cpu_twice(make_containerd, tmp_path):
     cri.stop(pinned["p"])
     again = cri.run("again", [guaranteed("q", command=FIRST_LINE)])
     assert cri.wait_logs(again["q"], 1) == ["Cpus_allowed_list:\t1"]
+
+
+def test_in_place_resize_through_cri(containerd, cri, daemon):
+    """kubelet's in-place resize reaches us as UpdateContainerResources: exclusive -> shared ->
+    exclusive on this 2-CPU machine, and growth beyond what is free refused with our message."""
+    web = cri.run("web", [burstable("w")])
+    db = cri.run("db", [guaranteed("d")])
+    web_pid, db_pid = cri.inspect(web["w"]).pid, cri.inspect(db["d"]).pid
+    assert (host.cpus_allowed_list(db_pid), host.cpus_allowed_list(web_pid)) == ("1", "0")
+
+    cri.update_resources(db["d"], cpu_request_milli=1500, cpu_limit_milli=1500)
+    assert host.cpus_allowed_list(db_pid) == ALL  # no longer whole CPUs: shared
+    assert host.cpus_allowed_list(web_pid) == ALL  # and the pool got CPU 1 back
+    assert daemon.records("resize")[-1]["CPUS"] == ALL
+
+    cri.update_resources(db["d"], cpu_request_milli=1000, cpu_limit_milli=1000)
+    assert host.cpus_allowed_list(db_pid) == "1"  # exclusive again
+    assert host.cpus_allowed_list(web_pid) == "0"
+
+    with pytest.raises(CRIError, match="asks to grow from 1 to 2"):
+        cri.update_resources(db["d"], cpu_request_milli=2000, cpu_limit_milli=2000)
+    assert host.cpus_allowed_list(db_pid) == "1" and host.cpus_allowed_list(web_pid) == "0"
+    state = json.loads((daemon.state_dir / "state.json").read_text())
+    assert state["assignments"][db["d"]]["cpus"] == "1"
+    check_agreement(daemon, cri)

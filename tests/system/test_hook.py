@@ -439,3 +439,24 @@ def test_bad_configuration_fails_with_one_line_and_an_audit_record(box: CgroupSa
         assert len(result.reason_lines) == 1 and result.reason_lines[0].startswith("nri-cpuplugin:")
         assert [r["ACTION"] for r in result.records] == ["hook-config"]
     assert box.cpus(c) == ALL
+
+
+def test_an_in_place_resize_is_caught_by_the_next_hook_run(box: CgroupSandbox) -> None:
+    """``runc update`` (CRI-O's in-place resize) runs no hook: the next run of the hook, for
+    any container, finds the new CPU request in the cgroup and resizes as the daemon would."""
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0 and box.hook(db).returncode == 0
+    assert box.affinity(db) == "1" and box.affinity(web) == "0"
+    shares = box.cpu_dir(db.cgroup) / "cpu.shares"
+    shares.write_text("1536\n")  # 1500m: no longer whole CPUs
+    late = box.add(pod("late", "burstable"), "late", millicores=100)
+    result = box.hook(late)
+    assert result.returncode == 0, result.stderr
+    assert box.affinity(db) == "0-1" and box.affinity(web) == "0-1"
+    assert "resize" in result.actions()
+    shares.write_text("1024\n")  # back to 1 CPU: exclusive again
+    later = box.add(pod("later", "burstable"), "later", millicores=100)
+    assert box.hook(later).returncode == 0
+    assert box.affinity(db) == "1" and box.affinity(web) == "0"
+    assert box.problems([web, db, late, later]) == []

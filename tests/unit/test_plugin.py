@@ -81,6 +81,42 @@ def test_update_container_never_undoes_pinning(node):
     assert cpu_of(update) == ("1,25", "0", -1) and not update.ignore_failure
 
 
+def resources(milli: int) -> pb.LinuxResources:
+    """What an in-place resize sends: kubelet's shares and quota for a new request/limit."""
+    r = pb.LinuxResources()
+    r.cpu.shares.value = max(2, milli * 1024 // 1000)
+    r.cpu.quota.value = milli * 100
+    r.cpu.period.value = 100000
+    return r
+
+
+def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
+    plugin, records = node
+    web = pod("web", "burstable")
+    plugin.create_container(web, container("nginx", web, 500))
+    db = pod("db")
+    ctr = container("postgres", db, 2000)
+    plugin.create_container(db, ctr)
+    mine, sibling = plugin.update_container(db, ctr, resources(4000))
+    assert cpu_of(mine) == ("1-2,25-26", "0", -1) and not mine.ignore_failure
+    assert sibling.ignore_failure and not set(CPUSet.parse(sibling.linux.resources.cpu.cpus)) & {
+        1,
+        2,
+        25,
+        26,
+    }
+    assert records.actions()[-2:] == ["resize", "shared-resize"]
+    [mine, sibling] = plugin.update_container(db, ctr, resources(2000))
+    assert cpu_of(mine)[0] == "1,25"  # back on the CPUs it started with
+    with pytest.raises(PolicyError, match="asks to grow from 2 to 48"):
+        plugin.update_container(db, ctr, resources(48000))
+    assert records.actions()[-1] == "refuse"
+    assert plugin.state.assignments[ctr.id].cpus == P("1,25")  # nothing changed
+    restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
+    restarted.load_state()
+    assert restarted.state.assignments[ctr.id].cpus == P("1,25")
+
+
 def test_stop_gives_cpus_back_to_every_shared_container(node):
     plugin, records = node
     web = pod("web", "besteffort")
