@@ -33,7 +33,7 @@ from .bench_nri import (  # noqa: E402
     bench_plugin_handlers,
     bench_synchronize,
 )
-from .bench_policy import bench_decisions, churn_quality  # noqa: E402
+from .bench_policy import bench_decisions, bench_resize, churn_quality, resize_churn  # noqa: E402
 from .bench_state import bench_commit  # noqa: E402
 
 ROOT = TESTS.parent
@@ -61,6 +61,8 @@ def section_foundation(quick: bool) -> list[str]:
     decisions = bench_decisions(big, rounds=500 if quick else 5000)
     commit = bench_commit(n_assignments=200, repeats=60 if quick else 500, directory=scratch.root())
     churn = churn_quality(topology("epyc-1s-4numa"), steps=2000 if quick else 10_000)
+    resize = bench_resize(big, rounds=500 if quick else 5000)
+    resize_churn_counts = resize_churn(topology("epyc-1s-4numa"), 2000 if quick else 10_000)
     lines = [
         "## Foundation",
         "",
@@ -123,6 +125,35 @@ def section_foundation(quick: bool) -> list[str]:
         "*kubelet order* is a re-implementation (tests/bench/kubelet_order.py) of the order "
         "kubelet documents - whole sockets, whole cores, then threads on the fullest socket - "
         "which does not see NUMA nodes inside a socket or LLC groups.",
+        "",
+        "### In-place resize",
+        "",
+        f"Grow and shrink decisions (the engine's, as the daemon answers UpdateContainer) on the "
+        f"same 256-thread topology with {resize['live_containers']} live exclusive containers:",
+        "",
+        "| step | samples | median | p99 | max |",
+        "|---|---|---|---|---|",
+    ]
+    for step in ("grow", "shrink"):
+        s = resize[step]
+        lines.append(
+            f"| {step} | {s['n']} | {_ms(s['median_ms'])} | {_ms(s['p99_ms'])} | "
+            f"{_ms(s['max_ms'])} |"
+        )
+    lines += [
+        "",
+        f"Resize churn on the EPYC-like topology ({resize_churn_counts['grows']} grows among "
+        "random create/remove/grow/shrink steps, machine kept 60-95 % busy): a grow *could stay* "
+        "when the free CPUs of the container's current NUMA node (LLC group) were enough.",
+        "",
+        "| grows that could stay in their NUMA node | kept there | could stay in their LLC "
+        "group | kept there |",
+        "|---|---|---|---|",
+        f"| {resize_churn_counts['numa_fit']} | {resize_churn_counts['numa_kept']} "
+        f"({resize_churn_counts['numa_rate']:.1%}) | {resize_churn_counts['llc_fit']} | "
+        f"{resize_churn_counts['llc_kept']} ({resize_churn_counts['llc_rate']:.1%}) |",
+        "",
+        "Goal: 100 % of both.",
         "",
     ]
     return lines
