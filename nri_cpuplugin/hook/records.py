@@ -33,6 +33,9 @@ MAX_RECORD_BYTES = 64 << 10  # a record is a few hundred bytes; annotations are 
 class Record(Value):
     workload: Workload
     cgroups: ContainerCgroups
+    # cpu.shares of its cgroup when last seen (cgroup v1; None: unknown): a later difference
+    # is an in-place resize (``runc update`` runs no hook).
+    shares: int | None = None
 
 
 class Records:
@@ -124,6 +127,7 @@ def _encode(record: Record) -> dict:
         # Only what the policy reads: pods carry kilobytes of unrelated annotations.
         "annotations": annotation.ours(w.annotations),
         "kind": w.kind,
+        "cpu_shares": record.shares,
     }
 
 
@@ -149,4 +153,5 @@ def _decode(cid: str, data: bytes) -> Record:
         kind=shape.string(doc, "kind"),
         cgroup_path=cpuset,
     )
-    return Record(workload, ContainerCgroups(cpuset, cpu))
+    shares = shape.integer(doc, "cpu_shares", optional=True, minimum=0)
+    return Record(workload, ContainerCgroups(cpuset, cpu), shares)

@@ -33,7 +33,7 @@ from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Loaded, Outcome,
 from ..core.events import DEBUG, WARNING
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
-from ..core.workload import Workload
+from ..core.workload import Workload, millicores_from_shares
 from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
 from ..ops.audit import Audit
@@ -199,7 +199,9 @@ class Hook:
                 for record in view.resized.values():
                     self.records.write(dir_fd, record)
                 if placed:
-                    targets[workload.container_id] = Record(workload, cgroups)
+                    targets[workload.container_id] = Record(
+                        workload, cgroups, _shares(fs, Record(workload, cgroups))
+                    )
                     self.records.write(dir_fd, targets[workload.container_id])
                     self._fault("recorded")
                 if view.loaded.set_aside:
@@ -321,9 +323,10 @@ class Hook:
         changed: dict[str, Record] = {}
         for container in live:
             record = records[container.workload.container_id]
-            request = _request_milli(fs, record)
-            if request is None or request == record.workload.cpu_request_milli:
+            shares = _shares(fs, record)
+            if shares is None or record.shares is None or shares == record.shares:
                 continue
+            request = millicores_from_shares(shares)
             # kubelet keeps a Guaranteed container's limit equal to its request.
             limit = request if record.workload.cpu_limit_milli is not None else None
             workload = record.workload.evolve(cpu_request_milli=request, cpu_limit_milli=limit)
@@ -332,7 +335,7 @@ class Hook:
             except PolicyError as err:
                 self.audit.emit([engine.refused(workload, err)])
                 continue
-            changed[workload.container_id] = record.evolve(workload=workload)
+            changed[workload.container_id] = record.evolve(workload=workload, shares=shares)
         return observed, changed
 
     def _live(
@@ -527,20 +530,16 @@ def _place(tx: Transaction, record: Record, target: Target) -> bool:
     return changed
 
 
-def _request_milli(fs: CgroupFS, record: Record) -> int | None:
-    """The container's CPU request as its cgroup says now (kubelet's cpu.shares or, on cgroup
-    v2, cpu.weight); None when it cannot be read."""
-    from ..core.workload import millicores_from_shares
-
+def _shares(fs: CgroupFS, record: Record) -> int | None:
+    """The cpu.shares of the container's cgroup now; None when it cannot be read."""
     if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
         # cgroup v2's cpu.weight is kubelet's shares squeezed into 1-10000: it cannot give
         # the request back exactly, and a wrong guess would move a container.  Not caught.
         return None
     try:
-        shares = int(fs.read("cpu", record.cgroups.cpu, "cpu.shares"))
+        return int(fs.read("cpu", record.cgroups.cpu, "cpu.shares"))
     except (CgroupError, ValueError):
         return None
-    return millicores_from_shares(shares)
 
 
 def _evicted(fs: CgroupFS, record: Record) -> bool:
