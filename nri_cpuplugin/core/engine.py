@@ -5,15 +5,16 @@
     NRI daemon:  commit state, reply with targets as adjustment + container updates
     OCI hook:    commit state, write targets to cgroupfs
 
-An event is a container created, stopped, ended unseen or updated; a pod removed; the runtime's
-list of live containers (synchronize); the online CPUs changed; the stored state loaded.  The
+An event is a container created, stopped, ended unseen, updated or resized in place; a pod
+removed; the runtime's list of live containers (synchronize); the online CPUs changed; the
+stored state loaded.  The
 engine answers with an ``Outcome``: the new state (the caller commits it *before* applying
 anything, so a crash can lose an effect but never a decision), the decision for a created
 container, the cpuset/mems/quota ``Target`` of every container whose cgroup must change, and the
 audit events that explain it.  Pure: it reads no file and touches no cgroup, so every rule is
 tested with plain values (tests/unit/test_engine.py).
 
-``StaticPolicy.admit`` is called from here (and from reconcile, which the engine drives) only.
+``StaticPolicy.admit`` is called from this module only: every placement goes through here.
 """
 
 from __future__ import annotations
