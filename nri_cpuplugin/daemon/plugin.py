@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import TopologyError, discover
 from ..core.workload import Workload, from_nri
-from ..hardware import cgroupfs, hotplug, nic
+from ..hardware import cgroupfs, cpusets, hotplug, nic
 from ..hardware.liveness import Liveness, pinned_cpus
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
@@ -71,7 +72,6 @@ class CPUPlugin:
         # Containers created in this session are never in here: before StartContainer they
         # have no cgroup yet, which must not read as "ended".
         self.unverified: set[str] = set()
-        self.liveness = Liveness()
         self.hotplug: hotplug.UeventListener | None = None
         self.proc = "/proc"
         # Set when the online set changed since the containers' cgroups were written (found at
@@ -95,6 +95,9 @@ class CPUPlugin:
         )
         self.settings = settings
         self.engine = Engine(policy, settings.cfs_quota)
+        # cgroupfs is mounted below sysfs: a generated sysfs tree (tests) has none of the
+        # host's cgroups, so nothing is read from or written to them.
+        self.liveness = Liveness(os.path.join(settings.sysfs, "fs", "cgroup"))
         self.store = StateStore(settings.state_dir, lock_timeout=LOCK_TIMEOUT)
         self.state = None  # loaded by load_state(), under the lock
 
@@ -455,7 +458,7 @@ class CPUPlugin:
             self._schedule_eviction_rechecks(emptied)
 
     def _repair_cgroups(self, cids: Iterable[str], grow: CPUSet | None = None) -> list[str]:
-        """Write the cpusets of these containers directly (see hotplug.apply), after giving
+        """Write the cpusets of these containers directly (see cpusets.apply), after giving
         ``grow`` (CPUs that came online; None: every online CPU) back to the ancestors of all
         tracked containers on cgroup v1, where the kernel never restores them."""
         state = self.state
@@ -464,7 +467,7 @@ class CPUPlugin:
         except cgroupfs.CgroupError as err:
             layout, errors = None, [str(err)]
         else:
-            errors = hotplug.grow_ancestors(
+            errors = cpusets.grow_ancestors(
                 layout,
                 sorted(set(state.cgroups.values())),
                 self.policy.topology.online if grow is None else grow,
@@ -475,13 +478,13 @@ class CPUPlugin:
             if not path:
                 continue  # the runtime's update is all we can do
             target = self.engine.target(state, cid)
-            targets.append(hotplug.Target(cid, path, target.cpus, target.mems))
+            targets.append(cpusets.Target(cid, path, target.cpus, target.mems))
         returned: dict[str, int] = {}
         if targets and layout is not None:
-            applied = hotplug.apply(layout, targets, self.proc)
+            applied = cpusets.apply(layout, targets, self.proc)
             errors += applied.errors
             returned = applied.returned
-        self.audit.emit(hotplug.repair_events(returned, errors))
+        self.audit.emit(cpusets.repair_events(returned, errors))
         return errors
 
     def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
@@ -507,9 +510,9 @@ class CPUPlugin:
                 if not path:
                     continue
                 with contextlib.suppress(cgroupfs.CgroupError):
-                    moved = hotplug.return_evicted_tasks(fs, hotplug.cgroup_path(path), self.proc)
+                    moved = cpusets.return_evicted_tasks(fs, cpusets.cgroup_path(path), self.proc)
                     if moved:
-                        self.audit.emit(hotplug.repair_events({cid: moved}, []))
+                        self.audit.emit(cpusets.repair_events({cid: moved}, []))
 
     # --- helpers --------------------------------------------------------------------------------
 

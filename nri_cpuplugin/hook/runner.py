@@ -44,7 +44,7 @@ from .records import Record, Records
 from .topology_cache import cached_topology
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
-if TYPE_CHECKING:  # nic and hotplug are imported when they are needed
+if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
     from collections.abc import Mapping
 
     from ..hardware.nic import Locality
@@ -452,10 +452,10 @@ class Hook:
         later ones may use CPUs that came back."""
         if view.loaded.followed is None or fs.layout.version != cgroupfs.V1:
             return []
-        from ..hardware import hotplug
+        from ..hardware import cpusets
 
         paths = sorted({r.cgroups.cpuset for r in view.records.values()})
-        return hotplug.grow_ancestors(fs.layout, paths, engine.topology.online)
+        return cpusets.grow_ancestors(fs.layout, paths, engine.topology.online)
 
     def _return_evicted(
         self, fs: CgroupFS, view: _View, targets: Mapping[str, Record]
@@ -470,11 +470,11 @@ class Hook:
         cids = set(view.evicted) | (set(targets) if view.loaded.followed is not None else set())
         if not cids:
             return returned, errors
-        from ..hardware import hotplug
+        from ..hardware import cpusets
 
         for cid in sorted(cids & targets.keys()):
             try:
-                moved = hotplug.return_evicted_tasks(
+                moved = cpusets.return_evicted_tasks(
                     fs, targets[cid].cgroups.cpuset, self.options.proc
                 )
             except CgroupError as err:
@@ -485,7 +485,7 @@ class Hook:
         return returned, errors
 
     def _report_repairs(self, returned: dict[str, int], errors: list[str]) -> None:
-        from ..hardware.hotplug import repair_events
+        from ..hardware.cpusets import repair_events
 
         self.audit.emit(repair_events(returned, errors))
 
@@ -544,7 +544,7 @@ def _shares(fs: CgroupFS, record: Record) -> int | None:
 
 def _evicted(fs: CgroupFS, record: Record) -> bool:
     """cgroup v1: the container's cpuset holds no process but its cpu cgroup does - the kernel
-    moved its processes up when the cpuset lost its last CPU (see hotplug.py)."""
+    moved its processes up when the cpuset lost its last CPU (see cpusets.py)."""
     if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
         return False
     if not fs.exists("cpuset", record.cgroups.cpuset):

@@ -16,7 +16,7 @@ from sysfs_gen import MachineSpec, write_sysfs
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.daemon.plugin import CPUPlugin
-from nri_cpuplugin.hardware import cgroupfs, hotplug
+from nri_cpuplugin.hardware import cgroupfs, cpusets, hotplug
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
@@ -279,7 +279,7 @@ def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
     # What cgroup v1 does when a cpuset loses its last CPU: the task moves to the parent, in
     # the cpuset hierarchy only.
     Path(cpuset + container.rsplit("/", 1)[0], "cgroup.procs").write_text(str(pid))
-    applied = hotplug.apply(layout, [hotplug.Target("c" * 64, container, P("1"), P("0"))])
+    applied = cpusets.apply(layout, [cpusets.Target("c" * 64, container, P("1"), P("0"))])
     assert applied.errors == [] and applied.returned == {"c" * 64: 1}
     top = container.split("/")[1]
     assert Path(cpuset, top, "cpuset.cpus").read_text().strip() == "0-1"
@@ -294,14 +294,14 @@ def test_tasks_of_other_containers_are_left_alone(v1_tree):
     parent = container.rsplit("/", 1)[0]
     Path(layout.cpuset_root + parent, "cgroup.procs").write_text(str(pid))  # not ours in cpu
     with cgroupfs.CgroupFS(layout) as fs:
-        assert hotplug.return_evicted_tasks(fs, container) == 0
+        assert cpusets.return_evicted_tasks(fs, container) == 0
     assert Path(layout.cpuset_root + parent, "cgroup.procs").read_text().split() == [str(pid)]
 
 
 def test_ancestors_get_returning_cpus_back_and_the_container_is_left_alone(v1_tree):
     layout, container, _ = v1_tree
     parts = container.strip("/").split("/")
-    assert hotplug.grow_ancestors(layout, [container], P("1")) == []
+    assert cpusets.grow_ancestors(layout, [container], P("1")) == []
     cpus = [
         Path(layout.cpuset_root, *parts[:depth], "cpuset.cpus").read_text().strip()
         for depth in range(1, len(parts) + 1)
