@@ -80,6 +80,9 @@ class CPUPlugin:
         # After the state was lost, until the runtime lists its containers: CPUs that running
         # Guaranteed containers are alone on (liveness.pinned_cpus), never handed out.
         self.pinned = CPUSet()
+        # Containers whose cpuset was written directly and which the runtime's stored spec
+        # does not know yet (see _write_followers).
+        self._spec_lags: set[str] = set()
         self._sweeping = False
         self._swept_to = ""  # the last container id the sweep checked
         # Validate everything now so a bad configuration fails at start, not at first event.
@@ -231,6 +234,7 @@ class CPUPlugin:
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
             )
         self.unverified.clear()
+        self._spec_lags.clear()  # every live container's cpuset is in this reply
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
         self.audit.record(
@@ -266,7 +270,7 @@ class CPUPlugin:
         mine, *siblings = outcome.targets
         adjust = pb.ContainerAdjustment()
         _fill(adjust.linux.resources.cpu, mine)
-        return adjust, [self._update(t) for t in siblings]
+        return adjust, [self._update(t) for t in self._write_followers(siblings)]
 
     def _create(self, workload: Workload, locality: nic.Locality | None) -> Outcome:
         """Decide and commit (the caller holds the lock).  When there is no room, containers
@@ -299,8 +303,10 @@ class CPUPlugin:
         request resizes the container (core/resize.py); anything else keeps our cpuset in
         force.  A growth that cannot be met fails the update: kubelet reports the resize as
         failed and retries."""
-        if not resources.cpu.HasField("shares"):
-            outcome = self.engine.update(self.state, container.id)  # not about CPUs
+        # No shares, or 0 (CRI's "leave as it is"): not a change of the CPU request.
+        if not resources.cpu.shares.value:
+            outcome = self.engine.update(self.state, container.id)
+            self._spec_lags.discard(container.id)  # its cpuset is in this reply
             return [self._update(t, ignore_failure=False) for t in outcome.targets]
         updated = pb.Container()
         updated.CopyFrom(container)
@@ -326,7 +332,9 @@ class CPUPlugin:
         with self.store.locked():
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
-        return [self._update(t) for t in outcome.targets if t.container_id != container.id]
+        self._spec_lags.discard(container.id)
+        followers = [t for t in outcome.targets if t.container_id != container.id]
+        return [self._update(t) for t in self._write_followers(followers)]
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
@@ -611,9 +619,43 @@ class CPUPlugin:
         _fill(update.linux.resources.cpu, target)
         return update
 
+    def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
+        """Move the shared pool's followers by writing their cgroups directly, before the
+        reply leaves: a flat cost, where each update in a reply costs the runtime one
+        ``runc update``, run one after another, holding up every other pod start.  Returns the
+        targets the runtime must apply after all: no cgroup path, a CFS quota to set
+        (degraded containers), the systemd cgroup driver (systemd re-applies a unit's
+        AllowedCPUs on daemon-reload, so its runtime must know), or a failed write.
+
+        The runtime's stored spec of a container written here lags behind (``_spec_lags``)
+        until our reply to its next event, or the next Synchronize, carries its cpuset:
+        docs/architecture.md, "Shared containers on dense nodes"."""
+        direct, runtime = [], []
+        for target in targets:
+            path = self.state.cgroups.get(target.container_id, "")
+            systemd = path.count(":") == 2 and not path.startswith("/")
+            if not path or systemd or target.quota is not None:
+                runtime.append(target)
+            else:
+                direct.append(target)
+        if direct:
+            try:
+                layout = cgroupfs.detect(self.liveness.root)
+            except cgroupfs.CgroupError:
+                return [*runtime, *direct]
+            writes = [
+                cpusets.Target(t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems)
+                for t in direct
+            ]
+            failed = set(cpusets.apply(layout, writes, self.proc, repair=False).failed)
+            runtime += [t for t in direct if t.container_id in failed]
+            self._spec_lags.update(t.container_id for t in direct if t.container_id not in failed)
+        return runtime
+
     def _push(self, targets: Iterable[Target]) -> None:
-        """Tell the runtime about cpusets that changed outside of an event's reply."""
-        updates = [self._update(t) for t in targets]
+        """Tell the runtime about cpusets that changed outside of an event's reply (what could
+        not be written directly)."""
+        updates = [self._update(t) for t in self._write_followers(targets)]
         if updates and self.stub is not None:
             self.stub.schedule_update_containers(updates, self._updates_done)
 

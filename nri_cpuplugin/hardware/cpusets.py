@@ -66,14 +66,19 @@ class Target(Value):
 
 class Applied(Value):
     errors: list[str]  # one line per container that could not be written
+    failed: list[str]  # their ids
     returned: dict[str, int]  # container id -> processes put back into its cpuset (v1)
 
 
-def apply(layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc") -> Applied:
+def apply(
+    layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc", repair: bool = True
+) -> Applied:
     """Write each target's cpuset (ancestors grown top-down first), CPUs taken away before
-    CPUs are given; then, on cgroup v1, put back tasks the kernel evicted.  One container's
-    failure (it may be exiting) does not stop the others."""
+    CPUs are given; then, with ``repair`` on cgroup v1, put back tasks the kernel evicted
+    (after CPU hotplug).  One container's failure (it may be exiting) does not stop the
+    others."""
     errors: list[str] = []
+    failed: list[str] = []
     returned: dict[str, int] = {}
     with cgroupfs.CgroupFS(layout) as fs:
         resolved = []
@@ -83,6 +88,7 @@ def apply(layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc
                 current = fs.cpus(path)
             except cgroupfs.CgroupError as err:
                 errors.append(f"{target.container_id[:12]}: {err}")
+                failed.append(target.container_id)
                 continue
             resolved.append((bool(current - target.cpus), path, target))
         resolved.sort(key=lambda item: (not item[0], item[2].container_id))
@@ -91,7 +97,7 @@ def apply(layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc
             try:
                 with tx:
                     cgroupfs.set_cpuset(tx, path, target.cpus, target.mems)
-                if layout.version == cgroupfs.V1:
+                if repair and layout.version == cgroupfs.V1:
                     moved = return_evicted_tasks(fs, path, proc)
                     if moved:
                         returned[target.container_id] = moved
@@ -100,7 +106,8 @@ def apply(layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc
                 if tx.rollback_errors:
                     error += f" (undoing earlier writes failed: {'; '.join(tx.rollback_errors)})"
                 errors.append(error)
-    return Applied(errors, returned)
+                failed.append(target.container_id)
+    return Applied(errors, failed, returned)
 
 
 def grow_ancestors(

@@ -189,6 +189,8 @@ def test_runtime_config_string_is_applied_and_flags_win(tmp_path):
 class CountingLiveness:
     """Liveness that says every container still runs, counting how often it was asked."""
 
+    root = "/nonexistent"  # no cgroups to write
+
     def __init__(self) -> None:
         self.asked = 0
 
@@ -231,6 +233,8 @@ def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node):
     restarted.load_state()
 
     class Ended:
+        root = "/nonexistent"
+
         def alive(self, runtime_path: str) -> bool:
             return runtime_path != "/kubepods/podbig/big"
 
