@@ -1,7 +1,9 @@
 """The ``nri-cpuplugin`` command.
 
-Exit codes: 0 success; 1 the request cannot be met (e.g. not enough CPUs); 2 bad input or usage.
-Errors are one line on stderr that says what was wrong and what to do.
+Exit codes: 0 success; 1 the request cannot be met (e.g. not enough CPUs), or ``run`` cannot
+start (e.g. its state lock is unusable); 2 bad input, usage or configuration (including a state
+directory that is not ours alone).  Errors are one line on stderr that says what was wrong and
+what to do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 
 EXIT_UNSATISFIABLE = 1
 EXIT_USAGE = 2
+# Reasons `run` cannot start that the operator fixes in the configuration or the node's setup
+# (exit 2, like a bad flag): the state directory is unusable or not ours alone.
+START_USAGE_CODES = ("state-dir",)
 
 
 class UsageError(PluginError):
@@ -132,14 +137,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    plugin = CPUPlugin(base, Audit(), flags)
-    stub = Stub.from_environment(
-        plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
-        observe=plugin.observe_request,
-    )  # fmt: skip
-    plugin.stub = stub
-    if stub.launched_fd is None:
-        plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
+    try:
+        plugin = CPUPlugin(base, Audit(), flags)
+        stub = Stub.from_environment(
+            plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
+            observe=plugin.observe_request,
+        )  # fmt: skip
+        plugin.stub = stub
+        if stub.launched_fd is None:
+            plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
+    except (UsageError, TopologyError, ConfigError, PolicyError):
+        raise  # main(): one line, exit 2
+    except PluginError as err:
+        # A state directory or lock that must not be used, and the like: one line naming the
+        # file and what to do (systemd logs it), never a traceback.
+        print(f"nri-cpuplugin: {err}", file=sys.stderr)
+        return EXIT_USAGE if err.code in START_USAGE_CODES else EXIT_UNSATISFIABLE
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

@@ -8,8 +8,9 @@ objects with string keys, lists, strings, 64-bit integers, booleans and null; ne
 whose text differs - both produce identical bytes, sorted or not, compact or indented
 (tests/unit/test_jsonbytes.py checks this with generated documents), so a checksum one process
 wrote verifies in the other.  Reading, the standard library is held to orjson's rules: UTF-8
-only, no NaN or infinite numbers, no lone surrogates, and input nested too deeply is a
-DecodeError like any other bad input, never a RecursionError.
+only, no NaN or infinite numbers, no lone surrogates, and input nested too deeply or a number
+of thousands of digits is a DecodeError like any other bad input, never a RecursionError or
+the ValueError of Python's integer-string limit.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ def use_stdlib() -> None:
 
 
 def loads(data: bytes | str) -> Any:
+    """The value of the JSON document ``data``; DecodeError, and nothing else, for bad input."""
     if not _stdlib:
         import orjson  # after the first call, a dictionary lookup
 
-        return orjson.loads(data)
+        try:
+            return orjson.loads(data)
+        except DecodeError:
+            raise
+        except ValueError as err:  # (none known; the contract is DecodeError for any input)
+            raise DecodeError(str(err), "", 0) from None
     if not isinstance(data, str):
         try:
             data = bytes(data).decode()
@@ -44,8 +51,14 @@ def loads(data: bytes | str) -> Any:
             raise DecodeError(f"not UTF-8 ({err.reason})", "", err.start) from None
     try:
         value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except DecodeError:
+        raise
     except RecursionError:
         raise DecodeError("nested too deeply", "", 0) from None
+    except ValueError:
+        # int() refuses more than 4300 digits (sys.int_info.default_max_str_digits), a guard
+        # against quadratic conversion time; orjson refuses such a number too.
+        raise DecodeError("a number with too many digits", "", 0) from None
     # Decoded UTF-8 holds no surrogates; only a \uD8xx-\uDFxx escape can make one, and
     # json pairs those it can.  The rare document with such escapes is checked for a lone one.
     if "\\ud" in data or "\\uD" in data:

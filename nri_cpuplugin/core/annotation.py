@@ -27,14 +27,27 @@ KEYS = (EXCLUSIVE, ISOLATED, NIC_LOCALITY, NICS)
 CONTAINER_SUFFIX = "/container."
 # What a refusal echoes of a value: enough to recognise it, never a pod author's megabyte.
 MAX_ECHO = 64
+# The longest value of one of our annotations that is read at all (the longest valid one, a
+# list of interface names, is far shorter); a longer one is refused like any bad value.
+MAX_VALUE = 256
 
 
-def lookup(annotations: Mapping[str, str], key: str, container_name: str) -> str | None:
-    """The container-specific value of ``key`` if set, else the pod-wide one, else None."""
+def lookup(
+    annotations: Mapping[str, str], key: str, container_name: str, who: str = ""
+) -> str | None:
+    """The container-specific value of ``key`` if set, else the pod-wide one, else None.
+    PolicyError ("bad-annotation") for a value longer than MAX_VALUE (``who``: the container,
+    for the message)."""
     specific = f"{key}{CONTAINER_SUFFIX}{container_name}"
-    if specific in annotations:
-        return annotations[specific]
-    return annotations.get(key)
+    name = specific if specific in annotations else key
+    value = annotations.get(name)
+    if value is not None and len(value) > MAX_VALUE:
+        raise PolicyError(
+            f"annotation {name}={echo(value)}{f' on {who}' if who else ''}: longer than the "
+            f"{MAX_VALUE} characters accepted; set one of the documented values",
+            "bad-annotation",
+        )
+    return value
 
 
 def name_of(annotations: Mapping[str, str], key: str, container_name: str) -> str:
@@ -45,7 +58,7 @@ def name_of(annotations: Mapping[str, str], key: str, container_name: str) -> st
 
 def flag(annotations: Mapping[str, str], key: str, container_name: str, who: str) -> bool | None:
     """A true/false annotation; None when unset; PolicyError for anything else."""
-    value = lookup(annotations, key, container_name)
+    value = lookup(annotations, key, container_name, who)
     if value is None:
         return None
     word = value.strip().lower()
@@ -58,9 +71,13 @@ def flag(annotations: Mapping[str, str], key: str, container_name: str, who: str
     )
 
 
-def ours(annotations: Mapping[str, str]) -> dict[str, str]:
-    """Only the annotations this table names (pods carry kilobytes of unrelated ones)."""
-    return {k: v for k, v in annotations.items() if k.split("/", 1)[0] in KEYS}
+def ours(annotations: Mapping[str, str], container_name: str) -> dict[str, str]:
+    """What ``lookup`` can read for this container and nothing else (pods carry kilobytes of
+    unrelated annotations, and its siblings' container-specific ones are not its own): at most
+    eight keys.  Values are cut to MAX_VALUE + 1 characters: ``lookup`` refuses a cut value
+    exactly as it refuses the whole one, so what is kept decides the same."""
+    names = (*KEYS, *(f"{key}{CONTAINER_SUFFIX}{container_name}" for key in KEYS))
+    return {k: annotations[k][: MAX_VALUE + 1] for k in names if k in annotations}
 
 
 def echo(value: str) -> str:

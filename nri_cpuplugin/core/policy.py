@@ -74,13 +74,25 @@ class StaticPolicy:
         self.strict = STRICT_CPU_RESERVATION in self.options
         if not reserved:
             raise PolicyError(
-                "no reserved CPUs: set reserved_cpus (a list) or reserved_cpu_count (at least 1)"
+                "no reserved CPUs: set reserved_cpus (a list) or reserved_cpu_count (at least 1)",
+                "config",
             )
         unknown = reserved - topology.all_cpus
         if unknown:
             raise PolicyError(
                 f"reserved CPUs {unknown} are not CPUs of this machine (present: "
-                f"{topology.all_cpus})"
+                f"{topology.all_cpus})",
+                "config",
+            )
+        if not topology.all_cpus - reserved:
+            # Judged on every CPU of the machine, not on the online ones: while a CPU is
+            # offline (hotplug) a configuration that leaves it unreserved is still a good one.
+            raise PolicyError(
+                f"reserved CPUs {reserved} are every CPU of this machine (online "
+                f"{topology.online or 'none'}, isolated {topology.isolated or 'none'}): no CPU "
+                "is left to give a Guaranteed container exclusively, so every one would be "
+                "refused; reserve fewer CPUs (reserved_cpus or reserved_cpu_count)",
+                "config",
             )
         # Reserved CPUs may be offline (hotplug): they simply reserve nothing until they return.
         self.reserved = reserved
@@ -93,7 +105,8 @@ class StaticPolicy:
             raise PolicyError(
                 f"no CPU left for the shared pool: online {topology.online}, reserved {reserved}, "
                 f"isolated {topology.isolated}"
-                + (f" and {STRICT_CPU_RESERVATION} is on" if self.strict else "")
+                + (f" and {STRICT_CPU_RESERVATION} is on" if self.strict else ""),
+                "config",
             )
 
     @classmethod
@@ -107,11 +120,12 @@ class StaticPolicy:
         """Reserved CPUs as an explicit list (wins) or a count taken as kubelet takes it."""
         if reserved_cpus is None:
             if reserved_count is None:
-                raise PolicyError("set reserved_cpus (a list) or reserved_cpu_count")
+                raise PolicyError("set reserved_cpus (a list) or reserved_cpu_count", "config")
             try:
                 reserved_cpus = reserve_by_count(topology, reserved_count)
             except AllocationError as err:
-                raise PolicyError(str(err)) from None
+                hint = ": lower reserved_cpu_count" if reserved_count > 0 else ""
+                raise PolicyError(f"{err}{hint}", "config") from None
         return cls(topology, reserved_cpus, options)
 
     # --- pools ------------------------------------------------------------------------------

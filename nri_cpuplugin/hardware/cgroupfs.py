@@ -1,5 +1,6 @@
-"""cgroup v1 and v2 cpuset / CFS-quota writers for the OCI hook (the NRI path never writes here:
-the runtime applies its adjustments).
+"""cgroup v1 and v2 cpuset / CFS-quota writers for the OCI hook, and for the daemon's cpuset
+repairs after CPU hotplug (hotplug.py); otherwise the NRI path never writes here: the runtime
+applies its adjustments.
 
 Why it is built this way (docs/cgroups-and-hooks.md §10, §11):
 

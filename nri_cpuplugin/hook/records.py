@@ -59,11 +59,7 @@ class Records:
         except FileNotFoundError:
             return None
         except OSError as err:
-            raise files.FileError(
-                f"{self.dir} is not a directory of ours ({err.strerror}); remove it",
-                "not-regular",
-                self.dir,
-            ) from None
+            raise _unusable(self.dir, RECORDS_DIR, dir_fd, err) from None
 
     def load(self, dir_fd: int) -> tuple[dict[str, Record], dict[str, str]]:
         """(records by container id, {container id: why its file is unusable})."""
@@ -110,6 +106,27 @@ class Records:
             os.close(rec_fd)
 
 
+def _unusable(path: str, name: str, dir_fd: int, err: OSError) -> files.FileError:
+    """Why the records directory cannot be used (a link is never followed: it could point
+    anywhere, and the hook removes files in there)."""
+    try:
+        target = os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return files.FileError(
+            f"the hook's records directory {path} is not a directory of ours "
+            f"({err.strerror or err}); remove it",
+            "not-regular",
+            path,
+        )
+    return files.FileError(
+        f"the hook's records directory {path} is a symbolic link (to {target[:200]!r}); "
+        "nri-cpuplugin never creates one and does not follow it: remove the link (and check "
+        "who made it)",
+        "link",
+        path,
+    )
+
+
 def _encode(record: Record) -> dict:
     w = record.workload
     return {
@@ -124,8 +141,9 @@ def _encode(record: Record) -> dict:
         "qos": w.qos,
         "cpu_request_milli": w.cpu_request_milli,
         "cpu_limit_milli": w.cpu_limit_milli,
-        # Only what the policy reads: pods carry kilobytes of unrelated annotations.
-        "annotations": annotation.ours(w.annotations),
+        # Only what the policy reads, bounded: pods carry kilobytes of unrelated annotations
+        # (a record is read by every later hook run).
+        "annotations": annotation.ours(w.annotations, w.container_name),
         "kind": w.kind,
         "cpu_shares": record.shares,
     }
@@ -149,7 +167,9 @@ def _decode(cid: str, data: bytes) -> Record:
         qos=shape.string(doc, "qos"),
         cpu_request_milli=shape.integer(doc, "cpu_request_milli"),
         cpu_limit_milli=shape.integer(doc, "cpu_limit_milli", optional=True),
-        annotations=shape.string_map(doc, "annotations"),
+        annotations=annotation.ours(
+            shape.string_map(doc, "annotations"), shape.string(doc, "container_name")
+        ),
         kind=shape.string(doc, "kind"),
         cgroup_path=cpuset,
     )

@@ -35,9 +35,12 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from harness import host
+from harness.runc import pod, sandbox
 
 from nri_cpuplugin.cli import build_parser
 from nri_cpuplugin.core.topology import discover
+from nri_cpuplugin.hardware import cgroupfs
 from nri_cpuplugin.ops import audit
 from nri_cpuplugin.ops.config import (
     DEFAULT_STATE_DIR,
@@ -213,6 +216,146 @@ def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -
         "PrivateTmp": "yes",
     }.items():
         assert unit["Service", key] == [value], key
+
+
+# -- the unit's sandbox against what the daemon does -------------------------------------------
+
+# Where the daemon writes besides its state directory, and why.  A daemon change that writes
+# somewhere new belongs here; the unit (and the DaemonSet's mounts) must then allow it.
+DAEMON_WRITES = {
+    cgroupfs.DEFAULT_ROOT: "cpuset repairs after CPU hotplug (CPUPlugin._repair_cgroups)",
+}
+# systemd.exec(5): what ProtectSystem=strict leaves to other settings, and which setting that is.
+API_FILESYSTEMS = {"/dev": "PrivateDevices", "/proc": "ProtectKernelTunables",
+                   "/sys": "ProtectKernelTunables"}  # fmt: skip
+# Values that leave /sys/fs/cgroup the host's hierarchy, writable (not: yes, strict, private).
+CGROUPS_WRITABLE = ("no",)
+
+
+def is_below(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def unit_leaves_writable(unit: dict[tuple[str, str], list[str]], path: str) -> bool:
+    """Whether the unit's filesystem settings leave ``path`` writable for the daemon, as
+    systemd.exec(5) describes them (and src/core/namespace.c implements them: with
+    ProtectKernelTunables= /sys is read-only except /sys/fs/cgroup, which is left to
+    ProtectControlGroups=)."""
+    service = {
+        key: values[-1]
+        for (section, key), values in unit.items()
+        if values and section == "Service"
+    }
+    writable = [p for values in unit.get(("Service", "ReadWritePaths"), []) for p in values.split()]
+    if any(is_below(path, p.lstrip("-")) for p in writable):
+        return True
+    if is_below(path, "/sys/fs/cgroup"):
+        return service.get("ProtectControlGroups", "no") in CGROUPS_WRITABLE
+    for root, setting in API_FILESYSTEMS.items():
+        if is_below(path, root):
+            return service.get(setting, "no") == "no"
+    return service.get("ProtectSystem", "no") in ("no", "false")
+
+
+def test_systemd_unit_lets_the_daemon_write_where_it_writes() -> None:
+    unit = parse_unit(UNIT)
+    for path, why in DAEMON_WRITES.items():
+        assert unit_leaves_writable(unit, path), f"the unit makes {path} read-only: {why}"
+    assert unit_leaves_writable(unit, DEFAULT_STATE_DIR)
+    # The model can say no: the rest of the filesystem, and /sys outside the cgroups.
+    assert not unit_leaves_writable(unit, "/etc/nri-cpuplugin")
+    assert not unit_leaves_writable(unit, "/sys/devices/system/cpu/cpu1/online")
+    protected = dict(unit)
+    protected["Service", "ProtectControlGroups"] = ["yes"]
+    assert not unit_leaves_writable(protected, cgroupfs.DEFAULT_ROOT)
+
+
+# Rebuilds the unit's filesystem and privilege settings as far as the cgroup repairs care (the
+# e2e test in tests/e2e/test_packaging_e2e.py runs the whole daemon in the rest of them): a
+# private mount namespace; / and /sys read-only; the cgroup mounts read-only or not as the
+# unit says; /proc showing only our own processes; then no capabilities and no new privileges.
+REPAIR_SANDBOX = r"""
+set -e
+cgroups=$1; shift
+mount -o remount,bind,ro /
+mount -o remount,bind,ro /sys
+if [ "$cgroups" = ro ]; then
+  for m in $(awk '$5 ~ "^/sys/fs/cgroup" {print $5}' /proc/self/mountinfo); do
+    mount -o remount,bind,ro "$m"
+  done
+fi
+mount -t proc -o hidepid=invisible,subset=pid proc /proc
+exec setpriv --bounding-set=-all --inh-caps=-all --ambient-caps=-all --no-new-privs -- "$@"
+"""
+# What the daemon does after CPU hotplug on cgroup v1 (CPUPlugin._repair_cgroups): ancestors
+# grown, the container's cpuset written, evicted processes put back - the same functions.
+REPAIR = r"""
+import json, sys
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.hardware import cgroupfs, hotplug
+cid, path, cpus, online = sys.argv[1:]
+layout = cgroupfs.detect()
+errors = hotplug.grow_ancestors(layout, [path], CPUSet.parse(online))
+applied = hotplug.apply(layout, [hotplug.Target(cid, path, CPUSet.parse(cpus))])
+print(json.dumps({"errors": errors + applied.errors, "returned": applied.returned}))
+"""
+
+
+def repair_in_units_sandbox(
+    unit: dict[tuple[str, str], list[str]], cid: str, cgroup: str, cpus: str
+) -> dict:
+    """Run the daemon's repair of one container in the sandbox ``unit`` describes."""
+    cgroups = "rw" if unit_leaves_writable(unit, cgroupfs.DEFAULT_ROOT) else "ro"
+    online = ",".join(map(str, host.online_cpus()))
+    result = run(
+        [
+            "unshare", "--mount", "--propagation", "private", "--",
+            "sh", "-c", REPAIR_SANDBOX, "sandbox", cgroups,
+            sys.executable, "-c", REPAIR, cid, cgroup, cpus, online,
+        ],
+        cwd="/",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_systemd_unit_sandbox_lets_the_daemon_repair_cpusets_after_hotplug() -> None:
+    """The cpuset writes the daemon makes after CPU hotplug, in the unit's sandbox; under
+    ProtectControlGroups=yes (as shipped before) each fails with EROFS."""
+    unit = parse_unit(UNIT)
+    with sandbox() as box:
+        container = box.add(pod("db"), "db", millicores=1000)
+        last = str(host.online_cpus()[-1])
+        report = repair_in_units_sandbox(unit, container.id, container.cgroup, last)
+        assert report == {"errors": [], "returned": {}}
+        assert box.cpus(container) == last and box.affinity(container) == last
+
+        # The same under ProtectControlGroups=yes: this test would have caught it.
+        protected = dict(unit)
+        protected["Service", "ProtectControlGroups"] = ["yes"]
+        report = repair_in_units_sandbox(protected, container.id, container.cgroup, "0")
+        assert report["errors"] and all("Read-only file system" in e for e in report["errors"])
+        assert box.cpus(container) == last
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: cgroup v1 lets a process without CAP_SYS_NICE move only processes whose "
+    "capabilities are a subset of its own (cpuset's can_attach), and the unit grants none, "
+    "so the processes of a root container that the kernel evicted stay evicted",
+)
+def test_systemd_unit_sandbox_lets_the_daemon_return_evicted_processes() -> None:
+    unit = parse_unit(UNIT)
+    with sandbox() as box:
+        if box.cpu_root is None:
+            pytest.fail("no cgroup v1 cpu hierarchy: the eviction witness needs one")
+        container = box.add(pod("db"), "db", millicores=1000)  # its process: root, all caps
+        # What cgroup v1 does when a cpuset loses its last CPU: its processes go up a level
+        # (their cpu cgroup stays).  The repair must put them back.
+        (box.cpuset_dir(container.cgroup).parent / "cgroup.procs").write_text(str(container.pid))
+        last = str(host.online_cpus()[-1])
+        report = repair_in_units_sandbox(unit, container.id, container.cgroup, last)
+        assert report == {"errors": [], "returned": {container.id: 1}}
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -415,7 +558,11 @@ def test_daemonset_mounts_what_the_configured_daemon_uses() -> None:
         args.sysfs: ("/sys", "Directory", True),
         settings.state_dir: (DEFAULT_STATE_DIR, "DirectoryOrCreate", False),
         audit.JOURNAL_SOCKET: ("/run/systemd/journal/socket", "Socket", False),
+        # the host's cgroups where the daemon looks for them, writable (DAEMON_WRITES)
+        cgroupfs.DEFAULT_ROOT: ("/sys/fs/cgroup", "Directory", False),
     }
+    for path in DAEMON_WRITES:
+        assert not host_paths[path][2], f"{path} is mounted read-only: {DAEMON_WRITES[path]}"
 
 
 def test_configmap_holds_the_packaged_config() -> None:
