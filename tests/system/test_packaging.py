@@ -223,7 +223,8 @@ def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -
 # Where the daemon writes besides its state directory, and why.  A daemon change that writes
 # somewhere new belongs here; the unit (and the DaemonSet's mounts) must then allow it.
 DAEMON_WRITES = {
-    cgroupfs.DEFAULT_ROOT: "cpuset repairs after CPU hotplug (CPUPlugin._repair_cgroups)",
+    cgroupfs.DEFAULT_ROOT: "shared containers' cpusets when the pool changes "
+    "(CPUPlugin._write_followers), cpuset repairs after CPU hotplug (CPUPlugin._repair_cgroups)",
 }
 # systemd.exec(5): what ProtectSystem=strict leaves to other settings, and which setting that is.
 API_FILESYSTEMS = {"/dev": "PrivateDevices", "/proc": "ProtectKernelTunables",
@@ -292,11 +293,11 @@ exec setpriv --bounding-set=-all --inh-caps=-all --ambient-caps=-all --no-new-pr
 REPAIR = r"""
 import json, sys
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import cgroupfs, hotplug
+from nri_cpuplugin.hardware import cgroupfs, cpusets
 cid, path, cpus, online = sys.argv[1:]
 layout = cgroupfs.detect()
-errors = hotplug.grow_ancestors(layout, [path], CPUSet.parse(online))
-applied = hotplug.apply(layout, [hotplug.Target(cid, path, CPUSet.parse(cpus))])
+errors = cpusets.grow_ancestors(layout, [path], CPUSet.parse(online))
+applied = cpusets.apply(layout, [cpusets.Target(cid, path, CPUSet.parse(cpus))])
 print(json.dumps({"errors": errors + applied.errors, "returned": applied.returned}))
 """
 
