@@ -17,6 +17,7 @@ TESTS = Path(__file__).resolve().parents[1]
 from topologies import topology  # noqa: E402
 
 from . import scratch  # noqa: E402
+from .bench_density import bench_dense_create, plot_density
 from .bench_e2e import (  # noqa: E402
     bench_audit_cost,
     bench_cold_start,
@@ -389,7 +390,39 @@ def section_hardware(quick: bool) -> list[str]:
     ]
 
 
-SECTIONS = ("foundation", "transport", "plugin", "hook", "operations", "hardware")
+def section_density(quick: bool) -> list[str]:
+    counts = (0, 8) if quick else (0, 8, 32, 100)
+    rounds = 6 if quick else 20
+    results = [bench_dense_create(version, n, rounds) for version in ("1.7", "2.1") for n in counts]
+    plot = ROOT / "docs" / "dense-node-create.png"
+    plot_density(results, plot)
+    lines = [
+        "## Dense nodes",
+        "",
+        "CRI CreateContainer (and CreateContainer + StartContainer) of a Guaranteed 1-CPU "
+        "container while N Burstable containers run, two private containerd instances of one "
+        "version side by side, one with `nri-cpuplugin run` and one with no plugin, "
+        f"alternating, {rounds} rounds each. The daemon moves the shared containers off the new "
+        "exclusive CPU by writing their cgroups before it replies (cgroupfs driver); *window "
+        "open* counts shared containers still allowed on that CPU when CreateContainer returned "
+        "(summed over the rounds).",
+        "",
+        "| containerd | running shared | create, plugin (median / p99) | create, no plugin | "
+        "ratio | create+start ratio | window open |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        p, n = r["create"]["plugin"], r["create"]["none"]
+        lines.append(
+            f"| {r['version']} | {r['running']} | {_ms(p['median_ms'])} / {_ms(p['p99_ms'])} | "
+            f"{_ms(n['median_ms'])} / {_ms(n['p99_ms'])} | {r['create_ratio']:.2f} | "
+            f"{r['create_start_ratio']:.2f} | {r['window_open']} |"
+        )
+    lines += ["", f"![create latency against running shared containers]({plot.name})", ""]
+    return lines
+
+
+SECTIONS = ("foundation", "transport", "plugin", "hook", "operations", "hardware", "density")
 
 
 def main() -> None:
@@ -415,6 +448,7 @@ def main() -> None:
         "hook": section_hook,
         "operations": section_operations,
         "hardware": section_hardware,
+        "density": section_density,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:

@@ -1,0 +1,104 @@
+"""Dense nodes: what creating an exclusive container costs while N shared containers run.
+
+Two private containerd instances of one version side by side, one with ``nri-cpuplugin run``
+and one with no plugin, each running the same N Burstable containers; a Guaranteed 1-CPU
+container is created (and started) on each in turn.  With the plugin, every shared container
+must leave the new exclusive CPU before CreateContainer returns.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from e2e.daemon import Daemon
+from harness import host
+from harness.containerd import Containerd
+from harness.k8s import ContainerSpec, PodSpec
+
+from .stats import summary
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    a, b = sorted(a), sorted(b)
+    return a[len(a) // 2] / b[len(b) // 2]
+
+
+def bench_dense_create(version: str, running: int, rounds: int) -> dict:
+    """CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU container
+    beside ``running`` shared containers: with the plugin vs no plugin, alternating."""
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        plain = stack.enter_context(Containerd(version, debug=False))
+        pinned = stack.enter_context(Containerd(version, debug=False))
+        daemon = Daemon(pinned.nri_socket, Path(tmp) / "state").start()
+        stack.callback(daemon.stop)
+        runtimes = {"plugin": pinned, "none": plain}
+        shared_pids = []
+        for side, runtime in runtimes.items():
+            cri = runtime.cri()
+            for i in range(running):
+                pod = cri.run(f"shared{i}", [ContainerSpec(f"s{i}", cpu_request_milli=100)])
+                if side == "plugin":
+                    shared_pids.append(cri.inspect(pod[f"s{i}"]).pid)
+        pods = {
+            side: runtime.cri().run_pod(PodSpec("pinned", qos="guaranteed"))
+            for side, runtime in runtimes.items()
+        }
+        create: dict[str, list[float]] = {"plugin": [], "none": []}
+        start: dict[str, list[float]] = {"plugin": [], "none": []}
+        window_open = 0
+        for i in range(rounds + 2):
+            for side in ("plugin", "none") if i % 2 else ("none", "plugin"):
+                cri = runtimes[side].cri()
+                began = time.perf_counter()
+                cid = cri.create_container(pods[side], ContainerSpec.guaranteed(f"g{i}", 1))
+                created = time.perf_counter()
+                if side == "plugin":  # the window: every shared container off CPU 1 already
+                    window_open += sum(host.cpus_allowed_list(p) != "0" for p in shared_pids)
+                cri.start(cid)
+                started = time.perf_counter()
+                cri.stop(cid, timeout=0)
+                cri.remove(cid)
+                if i >= 2:  # the first rounds warm caches on both sides
+                    create[side].append(created - began)
+                    start[side].append(started - began)
+    return {
+        "version": version,
+        "running": running,
+        "create": {side: summary(v) for side, v in create.items()},
+        "create_start": {side: summary(v) for side, v in start.items()},
+        "create_ratio": _ratio(create["plugin"], create["none"]),
+        "create_start_ratio": _ratio(start["plugin"], start["none"]),
+        "window_open": window_open,
+    }
+
+
+def plot_density(results: list[dict], out: Path) -> None:
+    """Median CreateContainer latency against running shared containers, per version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    versions = sorted({r["version"] for r in results})
+    colors = dict(zip(versions, ("tab:blue", "tab:green", "tab:purple"), strict=False))
+    for version in versions:
+        rows = sorted((r for r in results if r["version"] == version), key=lambda r: r["running"])
+        xs = [r["running"] for r in rows]
+        for side, dash in (("plugin", "-"), ("none", "--")):
+            ys = [r["create"][side]["median_ms"] for r in rows]
+            label = (
+                f"containerd {version}, {'with nri-cpuplugin' if side == 'plugin' else 'no plugin'}"
+            )
+            ax.plot(xs, ys, color=colors[version], linestyle=dash, marker="o", label=label)
+    ax.set_xlabel("running shared containers")
+    ax.set_ylabel("CreateContainer of an exclusive container, median (ms)")
+    ax.set_title("Exclusive container creation on a dense node (2-CPU VM)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
