@@ -17,14 +17,14 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from e2e.daemon import Daemon
+from harness.containerd import Containerd
+from harness.k8s import ContainerSpec, PodSpec
+
+from .scratch import scratch
+from .stats import summary
+
 TESTS = Path(__file__).resolve().parents[1]
-
-from e2e.daemon import Daemon  # noqa: E402
-from harness.containerd import Containerd  # noqa: E402
-from harness.k8s import ContainerSpec, PodSpec  # noqa: E402
-
-from .scratch import scratch  # noqa: E402
-from .stats import summary  # noqa: E402
 
 
 def _noop_plugin(socket: Path) -> subprocess.Popen:

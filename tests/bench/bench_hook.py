@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import debs
+from harness.journald import PrivateJournal
+from harness.runc import CgroupSandbox, pod
+from netns_util import host_nic, pod_netns
+
 from .stats import percentile, summary
 
 TESTS = Path(__file__).resolve().parents[1]
-
-from harness import debs  # noqa: E402
-from harness.journald import PrivateJournal  # noqa: E402
-from harness.runc import CgroupSandbox, pod  # noqa: E402
-from netns_util import host_nic, pod_netns  # noqa: E402
 
 ROOT = TESTS.parent
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -25,16 +25,16 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from e2e.daemon import Daemon, wait_for
+from harness import host
+from harness.containerd import Containerd
+from harness.k8s import ContainerSpec
+from netns_util import host_nic, pod_netns
+
+from .scratch import scratch
+from .stats import summary
+
 TESTS = Path(__file__).resolve().parents[1]
-
-from e2e.daemon import Daemon, wait_for  # noqa: E402
-from harness import host  # noqa: E402
-from harness.containerd import Containerd  # noqa: E402
-from harness.k8s import ContainerSpec  # noqa: E402
-from netns_util import host_nic, pod_netns  # noqa: E402
-
-from .scratch import scratch  # noqa: E402
-from .stats import summary  # noqa: E402
 
 CPU = 1
 ONLINE_FILE = Path(f"/sys/devices/system/cpu/cpu{CPU}/online")

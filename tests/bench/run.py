@@ -12,13 +12,11 @@ import os
 import platform
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
+from topologies import topology
 
-from topologies import topology  # noqa: E402
-
-from . import scratch  # noqa: E402
+from . import scratch
 from .bench_density import bench_dense_create, plot_density
-from .bench_e2e import (  # noqa: E402
+from .bench_e2e import (
     bench_audit_cost,
     bench_cold_start,
     bench_create_latency,
@@ -27,16 +25,17 @@ from .bench_e2e import (  # noqa: E402
     bench_noisy_neighbour,
     plot_noisy_neighbour,
 )
-from .bench_hook import bench_hook_contention, bench_hook_latency  # noqa: E402
-from .bench_hw import bench_hotplug_latency, bench_nic_inspection  # noqa: E402
-from .bench_nri import (  # noqa: E402
+from .bench_hook import bench_hook_contention, bench_hook_latency
+from .bench_hw import bench_hotplug_latency, bench_nic_inspection
+from .bench_nri import (
     bench_create_decode_encode,
     bench_plugin_handlers,
     bench_synchronize,
 )
-from .bench_policy import bench_decisions, bench_resize, churn_quality, resize_churn  # noqa: E402
-from .bench_state import bench_commit  # noqa: E402
+from .bench_policy import bench_decisions, bench_resize, churn_quality, resize_churn
+from .bench_state import bench_commit
 
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 OUTPUT = ROOT / "docs" / "benchmarks.md"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
+from harness import debs
 
-from harness import debs  # noqa: E402
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def root() -> str:
