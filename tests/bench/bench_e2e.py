@@ -24,8 +24,6 @@ from harness.k8s import ContainerSpec, PodSpec
 from .scratch import scratch
 from .stats import summary
 
-TESTS = Path(__file__).resolve().parents[1]
-
 
 def _noop_plugin(socket: Path) -> subprocess.Popen:
     proc = subprocess.Popen(

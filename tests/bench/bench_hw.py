@@ -34,8 +34,6 @@ from netns_util import host_nic, pod_netns
 from .scratch import scratch
 from .stats import summary
 
-TESTS = Path(__file__).resolve().parents[1]
-
 CPU = 1
 ONLINE_FILE = Path(f"/sys/devices/system/cpu/cpu{CPU}/online")
 

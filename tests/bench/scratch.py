@@ -8,11 +8,8 @@ benchmark creates its own directory there and removes it when done.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 
 from harness import debs
-
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def root() -> str:
