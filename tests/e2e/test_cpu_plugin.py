@@ -239,3 +239,23 @@ def test_in_place_resize_through_cri(containerd, cri, daemon):
     state = json.loads((daemon.state_dir / "state.json").read_text())
     assert state["assignments"][db["d"]]["cpus"] == "1"
     check_agreement(daemon, cri)
+
+
+def test_dense_node_siblings_are_written_directly_and_reasserted(containerd, cri, daemon):
+    """Eight shared containers: all of them are off the new exclusive CPU when CreateContainer
+    returns, yet the runtime ran no update for them (its stored spec still says what they were
+    created with: the write was ours, one per container, not one `runc update` each).  A later
+    UpdateContainerResources of one of them - which re-applies that stored spec - cannot put it
+    back on the exclusive CPU: our reply to it carries its cpuset."""
+    shared = [cri.run(f"s{i}", [burstable(f"w{i}")])[f"w{i}"] for i in range(8)]
+    pids = [cri.inspect(cid).pid for cid in shared]
+    pod_id = cri.run_pod(PodSpec("exclusive", qos="guaranteed"))
+    cid = cri.create_container(pod_id, guaranteed("pinned"))
+    assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 8  # the window is closed
+    specs = [cri.inspect(c).spec["linux"]["resources"]["cpu"]["cpus"] for c in shared]
+    assert specs == [ALL] * 8  # ... without the runtime touching them
+    cri.start(cid)
+    cri.update_resources(shared[3], memory="64Mi")  # re-applies its stored resources
+    assert host.cpus_allowed_list(pids[3]) == "0"
+    assert cri.inspect(shared[3]).spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+    check_agreement(daemon, cri)
