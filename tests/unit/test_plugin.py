@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from fake_cgroup_v2 import FakeV2
 from nri_messages import container, pod
 from topologies import build
 
@@ -243,3 +244,35 @@ def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node):
     adjust, _ = restarted.create_container(db, container("postgres", db, 4000))
     assert adjust.linux.resources.cpu.cpus  # placed, on CPUs the ended container held
     assert "big" not in "".join(restarted.state.assignments)
+
+
+def test_followers_are_written_directly_on_a_fake_cgroup_v2_tree(tmp_path):
+    """The daemon's direct writes on cgroup v2 (a FAKE tree below the generated sysfs: this
+    machine's cgroups are v1, and the fake's effective sets stay as the test sets them).  A
+    follower whose effective set comes out as asked is done; one whose ancestors do not offer
+    the CPUs (v2: effective = what it asks for, within its parent's) goes to the runtime, and
+    so does a container of the systemd driver."""
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    (root / "fs").mkdir()
+    fake = FakeV2(root / "fs" / "cgroup")
+    (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
+    plugin = CPUPlugin(settings, Audit(Records()))
+    configure(plugin, "", "containerd", "v2.1.9")
+    web = pod("web", "burstable")
+    written, refused, unit = (container(n, web, 500) for n in ("written", "refused", "unit"))
+    written.linux.cgroups_path = "/kubepods/burstable/podweb/written"
+    refused.linux.cgroups_path = "/kubepods/burstable/podweb/refused"
+    unit.linux.cgroups_path = "kubepods-burstable-podweb.slice:cri-containerd:unit"
+    pool = "0,2-24,26-47"  # once CPUs 1 and 25 are exclusive
+    fake.mk(written.linux.cgroups_path, cpus="0-47", effective=pool)
+    fake.mk(refused.linux.cgroups_path, cpus="0-47", effective="0-47")
+    for c in (written, refused, unit):
+        plugin.create_container(web, c)
+    db = pod("db")
+    adjust, updates = plugin.create_container(db, container("postgres", db, 2000))
+    assert cpu_of(adjust)[0] == "1,25"
+    assert fake.read(written.linux.cgroups_path, "cpuset.cpus") == pool
+    assert sorted(u.container_id for u in updates) == sorted([refused.id, unit.id])
+    assert all(u.linux.resources.cpu.cpus == pool for u in updates)
+    assert plugin._spec_lags == {written.id}
