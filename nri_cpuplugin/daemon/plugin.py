@@ -18,10 +18,8 @@ Two kinds of hardware awareness live here too:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -29,16 +27,18 @@ from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
-from ..core.topology import TopologyError, discover
+from ..core.topology import discover
 from ..core.workload import Workload, from_nri
 from ..hardware import cgroupfs, cpusets, hotplug, nic
-from ..hardware.liveness import Liveness, pinned_cpus
+from ..hardware.liveness import Liveness
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import Metrics, NoMetrics
 from ..storage.store import Expected, StateStore
+from .hotplug_events import HotplugEvents
+from .unverified import UnverifiedContainers
 
 log = logging.getLogger("nri_cpuplugin")
 
@@ -46,15 +46,9 @@ LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNIN
 # The runtime gives us 2 s per request by default; waiting longer on the lock than this would
 # turn a refusal into a timeout, and a timeout starts the container unpinned.
 LOCK_TIMEOUT = 1.0
-# cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
-# repaired it: look again this long after an offline event (bounded; nothing runs when idle).
-EVICTION_RECHECKS = (0.1, 0.5, 2.0)
-# Containers known only from the state file are checked this many at a time, this often
-# (a check reads one or two cgroup files).
-SWEEP_INTERVAL, SWEEP_BATCH = 2.0, 32
 
 
-class CPUPlugin:
+class CPUPlugin(HotplugEvents, UnverifiedContainers):
     """Handlers for nri.stub.Stub.  ``settings`` are defaults + file; ``flags`` win over both
     the file and the runtime's config string.  Every decision is the engine's
     (core/engine.py); this class turns events into engine calls and outcomes into replies."""
@@ -369,249 +363,7 @@ class CPUPlugin:
             self.policy.topology,
         )
 
-    # --- CPU hotplug ----------------------------------------------------------------------------
-
-    def start_hotplug(self) -> None:
-        """Listen to the kernel's CPU online/offline uevents on the running loop (once)."""
-        if self.hotplug is not None:
-            return
-        import asyncio
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        listener = hotplug.UeventListener(self.cpu_events)
-        try:
-            listener.start(loop)
-        except (OSError, ImportError) as err:
-            self.audit.record(
-                "hotplug",
-                f"cannot listen to CPU hotplug uevents ({err}); CPUs going offline or online "
-                "are only noticed at the next start",
-                audit_mod.WARNING,
-                reason=str(err),
-            )
-            return
-        self.hotplug = listener
-
-    def stop_hotplug(self) -> None:
-        if self.hotplug is not None:
-            self.hotplug.close()
-            self.hotplug = None
-
-    def cpu_events(self, events: list[hotplug.CPUEvent]) -> None:
-        """Kernel uevents arrived (from the loop's reader, never inside an NRI handler)."""
-        try:
-            self._follow_online(events)
-        except Exception as err:  # the daemon must outlive a bug here; say it loudly
-            log.exception("following CPU hotplug failed")
-            self.audit.record(
-                "hotplug", f"following CPU hotplug failed: {err}", audit_mod.ERR, reason=str(err)
-            )
-
-    def _follow_online(self, events: list[hotplug.CPUEvent]) -> None:
-        received = min(e.received for e in events)
-        what = ", ".join(f"CPU {e.cpu} {e.action}" if e.cpu >= 0 else e.action for e in events)
-        old = self.engine
-        try:
-            topology = discover(self.settings.sysfs)
-            if topology.fingerprint() == old.topology.fingerprint():
-                self.audit.record(
-                    "hotplug", f"{what}: no change in {self.settings.sysfs}", audit_mod.DEBUG
-                )
-                return
-            engine = Engine(
-                StaticPolicy(topology, old.policy.reserved, old.policy.options),
-                self.settings.cfs_quota,
-            )
-        except (TopologyError, PolicyError) as err:
-            self.audit.record(
-                "hotplug",
-                f"{what}: cannot follow the new topology, keeping the old one: {err}",
-                audit_mod.ERR,
-                reason=str(err),
-            )
-            return
-        self.engine = engine
-        went = old.topology.online - topology.online
-        came = topology.online - old.topology.online
-        self.audit.record(
-            "hotplug",
-            f"{what}: online CPUs {old.topology.online} -> {topology.online}",
-            audit_mod.NOTICE,
-            cpus_offline=went,
-            cpus_online=came,
-        )
-        if self.state is None:
-            return  # not loaded yet: load_state() repairs against this topology
-        before = self.state
-        with self.store.locked():
-            outcome = self._commit(engine.follow(self.state, old.policy))
-        self.audit.emit(outcome.events)
-        changed = [t.container_id for t in outcome.targets]
-        errors = self._repair_cgroups(changed, grow=came)
-        applied = time.monotonic()
-        self.audit.record(
-            "hotplug-applied",
-            f"{len(changed)} containers' cpusets written {(applied - received) * 1000:.1f} ms "
-            f"after the uevent ({len(errors)} failed); shared pool {self.state.shared}",
-            latency_ms=f"{(applied - received) * 1000:.2f}",
-            containers=len(changed),
-            shared_cpus=self.state.shared,
-        )
-        self._push(outcome.targets)
-        emptied = [cid for cid in changed if StaticPolicy.cpuset_for(before, cid) <= went]
-        if went and emptied:
-            self._schedule_eviction_rechecks(emptied)
-
-    def _repair_cgroups(self, cids: Iterable[str], grow: CPUSet | None = None) -> list[str]:
-        """Write the cpusets of these containers directly (see cpusets.apply), after giving
-        ``grow`` (CPUs that came online; None: every online CPU) back to the ancestors of all
-        tracked containers on cgroup v1, where the kernel never restores them."""
-        state = self.state
-        try:
-            layout = cgroupfs.detect(self.liveness.root)
-        except cgroupfs.CgroupError as err:
-            layout, errors = None, [str(err)]
-        else:
-            errors = cpusets.grow_ancestors(
-                layout,
-                sorted(set(state.cgroups.values())),
-                self.policy.topology.online if grow is None else grow,
-            )
-        targets = []
-        for cid in cids:
-            path = state.cgroups.get(cid)
-            if not path:
-                continue  # the runtime's update is all we can do
-            target = self.engine.target(state, cid)
-            targets.append(cpusets.Target(cid, path, target.cpus, target.mems))
-        returned: dict[str, int] = {}
-        if targets and layout is not None:
-            applied = cpusets.apply(layout, targets, self.proc)
-            errors += applied.errors
-            returned = applied.returned
-        self.audit.emit(cpusets.repair_events(returned, errors))
-        return errors
-
-    def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
-        import asyncio
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for delay in EVICTION_RECHECKS:
-            loop.call_later(delay, self._recheck_evictions, cids)
-
-    def _recheck_evictions(self, cids: list[str]) -> None:
-        try:
-            layout = cgroupfs.detect(self.liveness.root)
-        except cgroupfs.CgroupError:
-            return
-        if layout.version != cgroupfs.V1:
-            return
-        with cgroupfs.CgroupFS(layout) as fs:
-            for cid in cids:
-                path = self.state.cgroups.get(cid)
-                if not path:
-                    continue
-                with contextlib.suppress(cgroupfs.CgroupError):
-                    moved = cpusets.return_evicted_tasks(fs, cpusets.cgroup_path(path), self.proc)
-                    if moved:
-                        self.audit.emit(cpusets.repair_events({cid: moved}, []))
-
     # --- helpers --------------------------------------------------------------------------------
-
-    def _forget_ended(self, exclusive_only: bool = False, limit: int | None = None) -> Outcome:
-        """Release unverified containers whose cgroups show they have ended (see liveness.py):
-        those holding exclusive CPUs only, or the next ``limit`` of them in turn (the sweep);
-        the caller holds the lock.  Returns what was released (its events are recorded)."""
-        state = self.state
-        candidates = sorted(self.unverified)
-        if exclusive_only:
-            candidates = [cid for cid in candidates if cid in state.assignments]
-        elif limit is not None:
-            # In turn: after the last one checked, wrapping around.
-            later = [cid for cid in candidates if cid > self._swept_to]
-            candidates = (later + [cid for cid in candidates if cid <= self._swept_to])[:limit]
-            if candidates:
-                self._swept_to = candidates[-1]
-        ended = []
-        for cid in candidates:
-            if cid not in state.assignments and cid not in state.sharing:
-                self.unverified.discard(cid)
-            # Alive, or cannot tell: stays unverified (it may still end unseen, later).
-            elif self.liveness.alive(state.cgroups.get(cid, "")) is False:
-                self.unverified.discard(cid)
-                ended.append(cid)
-        if not ended:
-            return Outcome(state)
-        why = "its cgroup is gone or empty, and the runtime could not tell us"
-        outcome = self._commit(self.engine.ended(state, ended, why))
-        self.audit.emit(outcome.events)
-        return outcome
-
-    def _recheck_holders(self) -> bool:
-        """Whether CPUs came free: unverified exclusive holders that ended, or containers
-        pinned before the state was lost that are gone."""
-        freed = bool(self._forget_ended(exclusive_only=True).events)
-        if self.pinned:
-            before = self.pinned
-            self._learn_pinned()
-            freed = freed or self.pinned != before
-        return freed
-
-    def _learn_pinned(self) -> None:
-        """The state is lost (or new): which CPUs are running containers pinned to?  Until the
-        runtime says (Synchronize - containerd 1.7 never sends one to a plugin it launched),
-        those are kept out of exclusive use, so that no CPU is given twice."""
-        pinned = pinned_cpus(self.liveness.root) - self.state.exclusive
-        if pinned != self.pinned and (pinned or self.pinned):
-            self.audit.record(
-                "reconcile",
-                f"running containers are pinned to CPUs {pinned or 'none'} that the state does "
-                "not name (it was lost): kept out of exclusive use until the runtime lists its "
-                "containers",
-                audit_mod.WARNING if pinned else audit_mod.INFO,
-                cpus=pinned,
-                reason="state lost",
-            )
-        self.pinned = pinned
-
-    def _start_sweep(self) -> None:
-        """Check the unverified containers a few at a time on the event loop, so the shared
-        pool grows back when some of them ended, without any event paying for all of them."""
-        if self._sweeping or not (self.unverified or self.pinned):
-            return
-        import asyncio
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._sweeping = True
-        loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
-
-    def _sweep(self, loop: Any) -> None:
-        self._sweeping = False
-        if self.state is None:
-            return
-        if self.pinned:  # containers pinned before the state was lost may have ended
-            self._learn_pinned()
-        if not self.unverified and not self.pinned:
-            return
-        try:
-            with self.store.locked():
-                outcome = self._forget_ended(limit=SWEEP_BATCH)
-        except Exception as err:  # a busy lock or a full disk: try again later
-            log.warning("checking unverified containers failed: %s", err)
-        else:
-            self._push(outcome.targets)
-        if self.unverified or self.pinned:
-            self._sweeping = True
-            loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
 
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
