@@ -383,7 +383,8 @@ class CRIClient:
         (Path(pod_config.log_directory) / spec.name).mkdir(parents=True, exist_ok=True)
         config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
-            image=pb.ImageSpec(image=spec.image),
+            # kubelet sends both; CRI-O's signature check refuses a request without the second.
+            image=pb.ImageSpec(image=spec.image, user_specified_image=spec.image),
             command=spec.argv,
             envs=[pb.KeyValue(key=k, value=v) for k, v in spec.env.items()],
             labels={
