@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import Metrics, NoMetrics
+from ..storage import owner
 from ..storage.store import Expected, StateStore
 
 log = logging.getLogger("nri_cpuplugin")
@@ -48,6 +50,9 @@ LOCK_TIMEOUT = 1.0
 # cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
 # repaired it: look again this long after an offline event (bounded; nothing runs when idle).
 EVICTION_RECHECKS = (0.1, 0.5, 2.0)
+# How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
+# a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.
+CLAIM_WAIT = 1.0
 # Containers known only from the state file are checked this many at a time, this often
 # (a check reads one or two cgroup files).
 SWEEP_INTERVAL, SWEEP_BATCH = 2.0, 32
@@ -82,6 +87,9 @@ class CPUPlugin:
         self.pinned = CPUSet()
         self._sweeping = False
         self._swept_to = ""  # the last container id the sweep checked
+        # The claim on the state directory that makes an OCI hook on this node stand aside
+        # (storage/owner.py): (state directory, open descriptor holding the flock).
+        self._claim: tuple[str, int] | None = None
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -107,6 +115,7 @@ class CPUPlugin:
     def load_state(self) -> None:
         """Read the state file; anything unusable is set aside and we start from empty (the
         runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
+        self._claim_state_dir()
         policy = self.policy
         with self.store.locked(timeout=-1):
             result = self.store.load(Expected(policy.name, None, policy.reserved))
@@ -125,6 +134,29 @@ class CPUPlugin:
             # Synchronize), and again at Synchronize for those only the runtime knows.
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
+
+    def _claim_state_dir(self) -> None:
+        """Hold the daemon's claim on the state directory for as long as this process runs
+        (again if the runtime's configuration moved it).  Raises ClaimError when another
+        daemon holds it: two daemons would both answer for every container."""
+        state_dir = self.settings.state_dir
+        if self._claim is not None:
+            if self._claim[0] == state_dir:
+                return
+            os.close(self._claim[1])
+            self._claim = None
+        dir_fd = self.store.open_dir()
+        try:
+            self._claim = (state_dir, owner.claim(dir_fd, state_dir, CLAIM_WAIT))
+        finally:
+            os.close(dir_fd)
+
+    def release_claim(self) -> None:
+        """Give up the claim on the state directory, as the kernel does when the process ends
+        (tests run several daemons in turn in one process)."""
+        if self._claim is not None:
+            os.close(self._claim[1])
+            self._claim = None
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         """Commit the outcome's state (the caller holds the lock) before anything is applied.
