@@ -315,7 +315,10 @@ class CRIClient:
             annotations=dict(spec.annotations),
             linux=linux,
         )
-        r = self.call("RunPodSandbox", pb.RunPodSandboxRequest(config=config))
+        r = self.call(
+            "RunPodSandbox",
+            pb.RunPodSandboxRequest(config=config, runtime_handler=spec.runtime_handler),
+        )
         self._pods[r.pod_sandbox_id] = config
         return r.pod_sandbox_id
 
