@@ -305,6 +305,12 @@ class Crio:
         return self.dir / "crio.conf"
 
     @property
+    def config_dir(self) -> Path:
+        """Drop-ins (``--config-dir``, /etc/crio/crio.conf.d on a node), read after the main
+        config in name order; keys they set win, lists included."""
+        return self.dir / "crio.conf.d"
+
+    @property
     def log_path(self) -> Path:
         return self.dir / "crio.log"
 
@@ -403,7 +409,7 @@ class Crio:
     def _prepare(self) -> None:
         for sub in ("pod-logs", "logs", "cni/net.d", "cni/bin", "cdi", "policies", "auth", "bin"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        for sub in (self.hooks_dir, self.plugin_path, self.plugin_config_path):
+        for sub in (self.hooks_dir, self.plugin_path, self.plugin_config_path, self.config_dir):
             sub.mkdir(parents=True, exist_ok=True)
         shortpaths.ensure("crio", self.short_dir, instance=self.dir, top=self.top_cgroup)
         self.runroot.mkdir(exist_ok=True)
@@ -509,7 +515,7 @@ class Crio:
         self._log_file.flush()
         # Own session: a Ctrl-C on the test run must not reach CRI-O before teardown does.
         self._proc = subprocess.Popen(
-            [str(binary), "--config", str(self.config_path)],
+            self.command(),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -518,6 +524,12 @@ class Crio:
             start_new_session=True,
         )
         self._wait_ready(timeout or self.start_timeout)
+
+    def command(self, *args: str) -> list[str]:
+        return [
+            str(self.binary), "--config", str(self.config_path),
+            "--config-dir", str(self.config_dir), *args,
+        ]  # fmt: skip
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
