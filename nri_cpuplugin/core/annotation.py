@@ -24,6 +24,13 @@ NIC_LOCALITY = f"nic-locality.{DOMAIN}"
 NICS = f"nics.{DOMAIN}"
 
 KEYS = (EXCLUSIVE, ISOLATED, NIC_LOCALITY, NICS)
+
+# Not ours: CRI-O's high-performance runtime handler lifts the CFS quota of a Guaranteed
+# container with whole CPUs (pod cgroup and container cgroup, at StartContainer) when its pod
+# carries this annotation with "disable" (or the deprecated "true") and the pod's runtime
+# handler allows it.  Read, so that our decision and CRI-O's cannot disagree (policy.py).
+CRIO_CPU_QUOTA = "cpu-quota.crio.io"
+CRIO_QUOTA_LIFTED = ("disable", "true")
 CONTAINER_SUFFIX = "/container."
 # What a refusal echoes of a value: enough to recognise it, never a pod author's megabyte.
 MAX_ECHO = 64

@@ -272,6 +272,20 @@ class StaticPolicy:
             # makes the container Burstable-shaped (its QoS class cannot change in place).
             return None, f"CPU limit {limit}m differs from request (Burstable-shaped) shares", False
         if opt_out is False:
+            lifted = workload.annotations.get(annotation.CRIO_CPU_QUOTA)
+            if lifted in annotation.CRIO_QUOTA_LIFTED:
+                # CRI-O would lift the quota of exactly such a container, and in the shared
+                # pool a container without a quota can take the whole pool from the others.
+                key = annotation.name_of(
+                    workload.annotations, annotation.EXCLUSIVE, workload.container_name
+                )
+                raise PolicyError(
+                    f"{describe(workload)} is opted out of exclusive CPUs ({key}=false) but "
+                    "its pod asks CRI-O to lift its CFS quota "
+                    f"({annotation.CRIO_CPU_QUOTA}={lifted}): a shared container without a "
+                    "quota could take the whole shared pool; drop one of the two annotations",
+                    "bad-annotation",
+                )
             return None, f"opted out by {annotation.EXCLUSIVE}", False
         return count, f"guaranteed with {count} whole CPUs", wants_isolated
 

@@ -36,6 +36,7 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import Metrics, NoMetrics
+from ..storage import owner
 from ..storage.store import Expected, StateStore
 from .hotplug_events import HotplugEvents
 from .unverified import UnverifiedContainers
@@ -46,6 +47,9 @@ LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNIN
 # The runtime gives us 2 s per request by default; waiting longer on the lock than this would
 # turn a refusal into a timeout, and a timeout starts the container unpinned.
 LOCK_TIMEOUT = 1.0
+# How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
+# a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.
+CLAIM_WAIT = 1.0
 
 
 class CPUPlugin(HotplugEvents, UnverifiedContainers):
@@ -79,6 +83,9 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         self._spec_lags: set[str] = set()
         self._sweeping = False
         self._swept_to = ""  # the last container id the sweep checked
+        # The claim on the state directory that makes an OCI hook on this node stand aside
+        # (storage/owner.py): (state directory, open descriptor holding the flock).
+        self._claim: tuple[str, int] | None = None
         # Validate everything now so a bad configuration fails at start, not at first event.
         self._build(merge(settings, self.flags))
 
@@ -107,6 +114,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
     def load_state(self) -> None:
         """Read the state file; anything unusable is set aside and we start from empty (the
         runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
+        self._claim_state_dir()
         policy = self.policy
         with self.store.locked(timeout=-1):
             result = self.store.load(Expected(policy.name, None, policy.reserved))
@@ -125,6 +133,29 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             # Synchronize), and again at Synchronize for those only the runtime knows.
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
+
+    def _claim_state_dir(self) -> None:
+        """Hold the daemon's claim on the state directory for as long as this process runs
+        (again if the runtime's configuration moved it).  Raises ClaimError when another
+        daemon holds it: two daemons would both answer for every container."""
+        state_dir = self.settings.state_dir
+        if self._claim is not None:
+            if self._claim[0] == state_dir:
+                return
+            os.close(self._claim[1])
+            self._claim = None
+        dir_fd = self.store.open_dir()
+        try:
+            self._claim = (state_dir, owner.claim(dir_fd, state_dir, CLAIM_WAIT))
+        finally:
+            os.close(dir_fd)
+
+    def release_claim(self) -> None:
+        """Give up the claim on the state directory, as the kernel does when the process ends
+        (tests run several daemons in turn in one process)."""
+        if self._claim is not None:
+            os.close(self._claim[1])
+            self._claim = None
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         """Commit the outcome's state (the caller holds the lock) before anything is applied.

@@ -27,10 +27,11 @@ from __future__ import annotations
 import os
 from types import MappingProxyType
 
+from ..base.files import FileError
 from ..base.value import Value
 from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Loaded, Outcome, Target
-from ..core.events import DEBUG, WARNING
+from ..core.events import DEBUG, NOTICE, WARNING
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.workload import Workload, millicores_from_shares
@@ -38,6 +39,7 @@ from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
 from ..ops.audit import Audit
 from ..ops.config import Settings
+from ..storage import owner
 from ..storage.store import Expected, StateStore
 from . import oci
 from .records import Record, Records
@@ -132,6 +134,8 @@ class Hook:
         if identity is None:
             self._skip(state, "no Kubernetes pod uid and container name annotations")
             return EXIT_OK
+        if self._deferred(state):
+            return EXIT_OK
         if state.pid is None:
             raise oci.InputError(
                 f"the state of container {state.id} has no pid: placing a container needs its "
@@ -151,6 +155,8 @@ class Hook:
             )
 
     def release(self, state: oci.OCIState) -> int:
+        if self._deferred(state):
+            return EXIT_OK
         engine = self._engine()
         with CgroupFS(self._layout()) as fs:
             return self._locked_run(engine, fs, released_id=state.id)
@@ -511,6 +517,49 @@ class Hook:
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _deferred(self, state: oci.OCIState) -> bool:
+        """Whether an NRI daemon owns this state directory, in which case this run changes
+        nothing (storage/owner.py: the daemon wins).  A live daemon has placed the container
+        through NRI already; while a daemon that placed containers here is down, placing
+        from the hook could give away CPUs its containers hold, so the container runs
+        unpinned - as on a daemon-only node - until the daemon is back and resynchronizes."""
+        try:
+            dir_fd = self.store.open_dir(create=False)  # a probe creates nothing
+        except FileError as err:
+            if err.code == "missing":
+                return False  # no state directory yet: no daemon ever claimed it
+            raise
+        try:
+            claim = owner.probe(dir_fd, self.settings.state_dir)
+        finally:
+            os.close(dir_fd)
+        if claim is None:
+            return False
+        daemon = f"the NRI daemon (pid {claim.pid})" if claim.pid else "an NRI daemon"
+        where = os.path.join(self.settings.state_dir, owner.DAEMON_FILE)
+        if claim.running:
+            message = (
+                f"container {state.id[:12]} left to {daemon}, which owns "
+                f"{self.settings.state_dir}: the OCI hook and the NRI daemon are both "
+                "installed on this node; remove the hooks.d files"
+            )
+        else:
+            message = (
+                f"container {state.id[:12]} not placed: {daemon}, which owns "
+                f"{self.settings.state_dir}, is not running; placing it here could give away "
+                f"CPUs its containers hold. Start the daemon again, or, to use the hook "
+                f"instead, stop the daemon for good and remove {where}"
+            )
+        self.audit.record(
+            "defer",
+            message,
+            NOTICE if claim.running else WARNING,
+            container_id=state.id,
+            daemon_pid=claim.pid,
+            daemon_running=claim.running,
+        )
+        return True
 
     def _skip(self, state: oci.OCIState, why: str) -> None:
         self.audit.record(

@@ -9,17 +9,19 @@ daemon or hooks: commits replace the file atomically, so the reader sees one who
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..core.cpuset import CPUSet
 from ..core.topology import TopologyError, discover
+from ..storage import owner
 from ..storage.store import MISSING, StateStore
 
 
 def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
     store = StateStore(state_dir)
     result = store.peek()
-    report: dict[str, Any] = {"state_file": str(store.state_path)}
+    report: dict[str, Any] = {"state_file": str(store.state_path), "daemon": _daemon(state_dir)}
     if result.state is None:
         report.update(
             state="missing" if result.code == MISSING else "bad",
@@ -90,11 +92,35 @@ def _honoured(nic_nodes: CPUSet, numa: CPUSet, placed: bool) -> str:
     return "yes" if numa <= nic_nodes else "no"
 
 
+def _daemon(state_dir: str) -> dict[str, Any] | None:
+    """Whether an NRI daemon owns the state directory (storage/owner.py): then it places the
+    node's containers and an OCI hook on the node stands aside."""
+    try:
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        claim = owner.probe(dir_fd, state_dir)
+    finally:
+        os.close(dir_fd)
+    return None if claim is None else {"pid": claim.pid, "running": claim.running}
+
+
+def _owner_line(daemon: dict[str, Any] | None) -> str:
+    if daemon is None:
+        return "daemon      none has claimed this state directory (OCI hook mode)"
+    pid = f"pid {daemon['pid']}" if daemon["pid"] else "pid unknown"
+    if daemon["running"]:
+        return f"daemon      {pid}, running: it places containers; an OCI hook here stands aside"
+    return f"daemon      {pid}, NOT RUNNING: nothing pins new containers until it is back"
+
+
 def render_text(report: dict[str, Any]) -> str:
     if report["state"] != "ok":
         return f"state file {report['state_file']}: {report['problem']}\n"
     lines = [
         f"state file  {report['state_file']}  (policy {report['policy']})",
+        _owner_line(report.get("daemon")),
         f"reserved    {report['reserved'] or '-'}",
         f"shared      {report['shared'] or '-'}  ({report['shared_containers']} containers)",
         f"exclusive   {report['exclusive'] or '-'}",

@@ -315,7 +315,10 @@ class CRIClient:
             annotations=dict(spec.annotations),
             linux=linux,
         )
-        r = self.call("RunPodSandbox", pb.RunPodSandboxRequest(config=config))
+        r = self.call(
+            "RunPodSandbox",
+            pb.RunPodSandboxRequest(config=config, runtime_handler=spec.runtime_handler),
+        )
         self._pods[r.pod_sandbox_id] = config
         return r.pod_sandbox_id
 
@@ -383,7 +386,8 @@ class CRIClient:
         (Path(pod_config.log_directory) / spec.name).mkdir(parents=True, exist_ok=True)
         config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
-            image=pb.ImageSpec(image=spec.image),
+            # kubelet sends both; CRI-O's signature check refuses a request without the second.
+            image=pb.ImageSpec(image=spec.image, user_specified_image=spec.image),
             command=spec.argv,
             envs=[pb.KeyValue(key=k, value=v) for k, v in spec.env.items()],
             labels={

@@ -163,6 +163,9 @@ class PodSpec:
     # False: the pod gets its own network namespace from the runtime's CNI plugins (the
     # containerd instance must then have a CNI configuration; see e2e/test_nic_locality.py).
     host_network: bool = True
+    # CRI RunPodSandbox's runtime_handler (a pod's RuntimeClass), e.g. a CRI-O handler that
+    # allows its high-performance annotations; "" = the runtime's default.
+    runtime_handler: str = ""
 
     def __post_init__(self) -> None:
         if self.qos is None:

@@ -2,9 +2,10 @@
 
 Upstream schemas come from Debian's Go source packages (pinned by SHA256 in
 tests/harness/packages.py): NRI 0.6.1 and 0.8.0 ``pkg/api/api.proto``, ttrpc 1.2.4 and 1.2.7
-``request.proto`` + ``proto/status.proto``.  They are compiled with grpcio-tools' protoc into
-descriptor sets and compared with the descriptors embedded in our generated modules, so the
-check covers what actually runs.  Rules:
+``request.proto`` + ``proto/status.proto``; and NRI 0.11.0's, the version CRI-O 1.36.3 speaks,
+from the vendor tree of the runtime lab's CRI-O source tarball (harness/crio.py, SHA256-pinned).
+They are compiled with grpcio-tools' protoc into descriptor sets and compared with the
+descriptors embedded in our generated modules, so the check covers what actually runs.  Rules:
 
 - every message, field, enum value, service and method of ours exists in the newer upstream
   (NRI 0.8.0 / ttrpc 1.2.7) under the same full name, with the same number, type, type name
@@ -12,7 +13,10 @@ check covers what actually runs.  Rules:
   one (0.6.1 / 1.2.4) it is the same there, and its number is not used by anything else there;
 - our messages lack no field, our enums no value, our services no method of the newer
   upstream, so decoding sees everything 0.8.0 sends; for NRI we define every upstream type;
-- the committed gencode is what ``./dev proto`` produces from api/ today.
+- the committed gencode is what ``./dev proto`` produces from api/ today;
+- against NRI 0.11: everything of ours is the same there (the ``LAST`` sentinel aside), what
+  0.11 adds over 0.8.0 is exactly the list in docs/nri-wire.md §13.2, and none of it touches a
+  field the plugin reads or writes - so decoding what CRI-O sends only skips fields we ignore.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from nri_cpuplugin.nri.pb import nri_pb2, ttrpc_pb2, ttrpc_status_pb2
-from tests.harness import debs, packages
+from tests.harness import crio, debs, packages
 
 REPO = Path(__file__).resolve().parents[2]
 PB_DIR = REPO / "nri_cpuplugin" / "nri" / "pb"
@@ -73,6 +77,75 @@ NRI_061_TO_080 = {
     "+field nri.pkg.api.v1alpha1.LinuxContainerAdjustment.oom_score_adj = 4",
 }
 TTRPC_124_TO_127: set[str] = set()
+
+# What NRI 0.9-0.11 added over 0.8.0 (docs/nri-wire.md §13.2), as CRI-O 1.36.3 vendors 0.11.0.
+# Nothing was removed or renumbered; the one change is the LAST sentinel of enum Event.
+NRI_080_TO_011 = {
+    *(
+        f"+enum nri.pkg.api.v1alpha1.{name}"
+        for name in (
+            "Field", "IOPrioClass", "LinuxSchedulerFlag", "LinuxSchedulerPolicy",
+            "LogRequest.Level", "SecurityProfile.ProfileType",
+        )
+    ),
+    *(
+        f"+field nri.pkg.api.v1alpha1.Container.{name} = {number}"
+        for name, number in (
+            ("created_at", 14), ("started_at", 15), ("finished_at", 16), ("exit_code", 17),
+            ("status_reason", 18), ("status_message", 19), ("CDI_devices", 20), ("user", 21),
+        )
+    ),
+    "+field nri.pkg.api.v1alpha1.ContainerAdjustment.args = 9",
+    *(
+        f"+field nri.pkg.api.v1alpha1.LinuxContainer.{name} = {number}"
+        for name, number in (
+            ("io_priority", 6), ("seccomp_profile", 7), ("seccomp_policy", 8), ("sysctl", 9),
+            ("net_devices", 10), ("scheduler", 11), ("rdt", 12),
+        )
+    ),
+    *(
+        f"+field nri.pkg.api.v1alpha1.LinuxContainerAdjustment.{name} = {number}"
+        for name, number in (
+            ("io_priority", 5), ("seccomp_policy", 6), ("namespaces", 7), ("sysctl", 8),
+            ("net_devices", 9), ("scheduler", 10), ("rdt", 11),
+        )
+    ),
+    *(
+        f"+message nri.pkg.api.v1alpha1.{name}"
+        for name in (
+            "CompoundFieldOwners", "CompoundFieldOwners.OwnersEntry", "FieldOwners",
+            "FieldOwners.CompoundEntry", "FieldOwners.SimpleEntry",
+            "LinuxContainer.NetDevicesEntry", "LinuxContainer.SysctlEntry",
+            "LinuxContainerAdjustment.NetDevicesEntry", "LinuxContainerAdjustment.SysctlEntry",
+            "LinuxIOPriority", "LinuxNetDevice", "LinuxRdt", "LinuxScheduler", "LinuxSeccomp",
+            "LinuxSeccompArg", "LinuxSyscall", "LogRequest", "OptionalRepeatedString",
+            "OwningPlugins", "OwningPlugins.OwnersEntry", "PluginInstance", "SecurityProfile",
+            "UpdatePodSandboxRequest", "UpdatePodSandboxResponse", "User",
+            "ValidateContainerAdjustmentRequest", "ValidateContainerAdjustmentResponse",
+        )
+    ),
+    "+method nri.pkg.api.v1alpha1.Plugin/UpdatePodSandbox",
+    "+method nri.pkg.api.v1alpha1.Plugin/ValidateContainerAdjustment",
+    "+service nri.pkg.api.v1alpha1.HostFunctions",  # WASM plugins only, never on a socket
+    "+value nri.pkg.api.v1alpha1.Event.UPDATE_POD_SANDBOX = 12",
+    "+value nri.pkg.api.v1alpha1.Event.POST_UPDATE_POD_SANDBOX = 13",
+    "+value nri.pkg.api.v1alpha1.Event.VALIDATE_CONTAINER_ADJUSTMENT = 14",
+    "~value nri.pkg.api.v1alpha1.Event.LAST: 12 -> 15",
+}  # fmt: skip
+# The messages whose fields the plugin reads or writes (docs/nri-wire.md §7, §10): a change to
+# any of them in a newer NRI would need a look at the code, not just at the schema.
+MESSAGES_WE_USE = {
+    f"nri.pkg.api.v1alpha1.{name}"
+    for name in (
+        "ConfigureRequest", "ConfigureResponse", "SynchronizeRequest", "SynchronizeResponse",
+        "RegisterPluginRequest", "CreateContainerRequest", "CreateContainerResponse",
+        "UpdateContainerRequest", "UpdateContainerResponse", "StopContainerRequest",
+        "StopContainerResponse", "StateChangeEvent", "UpdateContainersRequest",
+        "UpdateContainersResponse", "PodSandbox", "LinuxPodSandbox", "LinuxNamespace",
+        "LinuxResources", "LinuxCPU", "LinuxMemory", "OptionalUInt64", "OptionalInt64",
+        "ContainerUpdate", "LinuxContainerUpdate",
+    )
+}  # fmt: skip
 
 
 # --- schemas as comparable indexes -------------------------------------------------------
@@ -151,6 +224,8 @@ def _compile_upstream(
 
 @cache
 def _upstream(which: str) -> Schema:
+    if which == "NRI 0.11.0":
+        return _nri_011()
     deb = {
         "NRI 0.6.1": packages.NRI_API_061,
         "NRI 0.8.0": packages.NRI_API_080,
@@ -170,6 +245,16 @@ def _upstream(which: str) -> Schema:
         schema.add_file(fdp)
     if which.startswith("ttrpc"):
         _substitute_google_rpc_status(schema, tree / TTRPC_SRC / "request.pb.go")
+    return schema
+
+
+def _nri_011() -> Schema:
+    """NRI 0.11.0's api.proto as vendored by CRI-O 1.36.3 (its go.mod pins v0.11.0)."""
+    proto = crio.nri_api_proto()
+    schema = Schema("NRI 0.11.0")
+    with tempfile.TemporaryDirectory(prefix="upstream-proto-") as tmp:
+        for fdp in _compile_upstream(proto.parent, [proto.name], Path(tmp)):
+            schema.add_file(fdp)
     return schema
 
 
@@ -423,6 +508,44 @@ def test_upstream_changes_between_versions(older: str, newer: str, expected: set
         f"{older} -> {newer} differs from docs/nri-wire.md §13.2:\n"
         f"  unexpected: {sorted(changes - expected)}\n  not seen: {sorted(expected - changes)}"
     )
+
+
+# --- tests: NRI 0.11 (CRI-O 1.36) ------------------------------------------------------------
+
+
+def test_everything_of_ours_is_the_same_in_nri_011() -> None:
+    """Every name, number and type of ours means the same to CRI-O 1.36; the only difference
+    is the ``LAST`` sentinel, which we never send (the stub subscribes within 0x7FF)."""
+    problems, absent = _compare(OURS["NRI"](), _upstream("NRI 0.11.0"), required=True)
+    assert problems == [
+        "enum value nri.pkg.api.v1alpha1.Event.LAST: number is 12 here, 15 in NRI 0.11.0"
+    ]
+    assert absent == []
+
+
+def test_upstream_changes_from_080_to_011() -> None:
+    """docs/nri-wire.md §13.2 against the sources CRI-O 1.36.3 was built from."""
+    changes = _diff(_upstream("NRI 0.8.0"), _upstream("NRI 0.11.0"))
+    assert changes == NRI_080_TO_011, (
+        f"NRI 0.8.0 -> 0.11.0 differs from docs/nri-wire.md §13.2:\n"
+        f"  unexpected: {sorted(changes - NRI_080_TO_011)}\n"
+        f"  not seen: {sorted(NRI_080_TO_011 - changes)}"
+    )
+
+
+def test_what_nri_011_adds_touches_nothing_we_use() -> None:
+    """What our schema lacks for NRI 0.11 is skipped on decode: none of it is in a message
+    whose fields the plugin reads or writes, so nothing CRI-O sends is misread or lost."""
+    lacking = _lacking(OURS["NRI"](), _upstream("NRI 0.11.0"))
+    touched = [
+        line for line in lacking
+        if line.startswith("field ") and line.split()[1].rsplit(".", 1)[0] in MESSAGES_WE_USE
+    ]  # fmt: skip
+    assert touched == [], touched
+    changed = {c.split()[1].split(":")[0].rsplit(".", 1)[0] for c in NRI_080_TO_011}
+    assert not changed & MESSAGES_WE_USE
+    theirs = _upstream("NRI 0.11.0").messages
+    assert all(name in theirs for name in MESSAGES_WE_USE)
 
 
 # --- tests: the generated code -----------------------------------------------------------

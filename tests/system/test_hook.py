@@ -26,6 +26,7 @@ from nri_cpuplugin.hook import entry as hook
 from nri_cpuplugin.hook import oci
 from nri_cpuplugin.hook.records import RECORDS_DIR
 from nri_cpuplugin.ops.config import ConfigError
+from nri_cpuplugin.storage import owner
 from nri_cpuplugin.storage.store import StateStore
 
 ALL = f"0-{host.online_cpus()[-1]}"
@@ -208,6 +209,66 @@ def test_status_command_shows_hook_assignments(box: CgroupSandbox) -> None:
     report = json.loads(out.stdout)
     assert report["state"] == "ok"
     assert [a["container_id"] for a in report["assignments"]] == [db.id]
+
+
+def test_hook_stands_aside_while_an_nri_daemon_owns_the_state_directory(
+    box: CgroupSandbox,
+) -> None:
+    """Both front ends installed on one node: the daemon's claim (storage/owner.py) wins."""
+    box.state_dir.mkdir(mode=0o700)
+    dir_fd = os.open(box.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        claim = owner.claim(dir_fd, str(box.state_dir), wait=0)  # "the daemon" (this process)
+        db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+        result = box.hook(db)
+        assert result.returncode == 0, result.stderr
+        [defer] = result.records
+        assert defer["ACTION"] == "defer" and defer["PRIORITY"] == "5"
+        assert defer["DAEMON_PID"] == str(os.getpid()) and defer["DAEMON_RUNNING"] == "True"
+        assert "both installed" in defer["MESSAGE"]
+        assert box.affinity(db) == ALL  # nothing written: the daemon placed it through NRI
+        assert not (box.state_dir / "state.json").exists()
+        assert not (box.state_dir / RECORDS_DIR).exists()
+        assert box.hook(db, stage="poststop").actions() == ["defer"]
+
+        os.close(claim)  # the daemon dies: its containers' CPUs must not be given away
+        result = box.hook(db)
+        assert result.returncode == 0 and result.actions() == ["defer"]
+        assert result.records[0]["PRIORITY"] == "4"
+        assert "is not running" in result.records[0]["MESSAGE"]
+        assert box.affinity(db) == ALL
+
+        # The operator moves the node to the hook for good: the hook places again.
+        (box.state_dir / owner.DAEMON_FILE).unlink()
+        result = box.hook(db)
+        assert result.returncode == 0 and "allocate" in result.actions(), result.stderr
+        assert box.affinity(db) == LAST
+    finally:
+        os.close(dir_fd)
+
+
+def test_status_says_who_places_the_containers(box: CgroupSandbox) -> None:
+    def status() -> tuple[dict, str]:
+        args = [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir"]
+        run = [*args, str(box.state_dir)]
+        text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+        report = subprocess.run([*run, "--json"], capture_output=True, text=True, check=True)
+        return json.loads(report.stdout), text
+
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(db).returncode == 0
+    report, text = status()
+    assert report["daemon"] is None and "OCI hook mode" in text
+    dir_fd = os.open(box.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    claim = owner.claim(dir_fd, str(box.state_dir), wait=0)
+    os.close(dir_fd)
+    report, text = status()
+    assert report["daemon"] == {"pid": os.getpid(), "running": True}
+    assert f"pid {os.getpid()}, running" in text
+    os.close(claim)
+    report, text = status()
+    assert report["daemon"] == {"pid": os.getpid(), "running": False}
+    assert "NOT RUNNING" in text
 
 
 # --- state file trouble ----------------------------------------------------------------------

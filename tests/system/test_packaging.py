@@ -6,8 +6,8 @@
   goes through).
 * runtime-launched launcher: ``sh -n``, its name and mode as the runtime demands (it runs for
   real, under both containerd versions, in tests/e2e/test_packaging_e2e.py).
-* CRI-O drop-ins: tomllib, against the keys and types crio.conf(5) documents (CRI-O is not in
-  Debian).
+* CRI-O drop-ins: tomllib, against the keys and types crio.conf(5) documents (and loaded by a
+  real CRI-O 1.36.3 in tests/e2e/crio/test_crio_packaging.py).
 * Kubernetes manifests: the Kubernetes OpenAPI schemas of several releases, offline
   (kubernetes-validate ships them), strict about unknown fields; plus least-privilege checks.
 * Dockerfile: parsed; what it copies is tracked by git; its ``pip install`` is run on exactly

@@ -232,6 +232,7 @@ def test_a_change_while_nothing_ran_is_repaired_at_start_not_refused(node, tmp_p
     plugin.create_container(web, container("nginx", web, 500))
     machine.set(offline={2, 5})
     again = Records()
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     restarted = CPUPlugin(plugin.file_settings, Audit(again))
     restarted.load_state()
     pg = "pg".ljust(64, "0")

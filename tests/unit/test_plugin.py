@@ -140,6 +140,7 @@ def test_state_survives_a_restart_and_restarted_container_keeps_its_cpus(node, t
     adjust, _ = plugin.create_container(db, first)
     plugin.stop_container(db, first)
     # a new daemon on the same state directory (kill -9 and restart)
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     again = CPUPlugin(plugin.file_settings, Audit(Records()))
     configure(again, "", "containerd", "v1.7.24")
     restarted = container("postgres2", db, 2000)
@@ -169,6 +170,7 @@ def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
     state_file = tmp_path / "state" / "state.json"
     state_file.write_text('{"version": 1, "truncated')
     records = Records()
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     again = CPUPlugin(plugin.file_settings, Audit(records))
     configure(again, "", "containerd", "v2.1.9")
     assert records.actions()[0] == "state-rebuild"
@@ -209,6 +211,7 @@ def test_unverified_containers_cost_a_creation_nothing(node, tmp_path):
         c = container(f"old{i:04d}x", p, 100)
         c.linux.cgroups_path = f"/kubepods/burstable/pod{i}/{c.id}"
         plugin.create_container(p, c)
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
     restarted.load_state()
     assert len(restarted.unverified) == 1000
@@ -230,6 +233,7 @@ def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node):
     c = container("big", big, 44000)  # every CPU but the reserved ones and one core
     c.linux.cgroups_path = "/kubepods/podbig/big"
     plugin.create_container(big, c)
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     restarted = CPUPlugin(plugin.file_settings, Audit(records))
     restarted.load_state()
 

@@ -6,6 +6,7 @@ import pytest
 from topologies import topology
 
 from nri_cpuplugin.core.allocator import STRICT_CPU_RESERVATION
+from nri_cpuplugin.core.annotation import CRIO_CPU_QUOTA
 from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.annotation import ISOLATED as ISOLATED_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -98,6 +99,24 @@ def test_odd_annotation_value_is_a_clear_error():
     policy, state = xeon()
     with pytest.raises(PolicyError, match=f"{EXCLUSIVE_ANNOTATION}='maybe'.*'true' or 'false'"):
         policy.admit(state, wl(1000, **{EXCLUSIVE_ANNOTATION: "maybe"}))
+
+
+@pytest.mark.parametrize("value", ["disable", "true"])
+def test_crio_quota_lift_on_an_opted_out_container_is_refused(value):
+    """CRI-O's high-performance handler lifts the CFS quota of Guaranteed whole-CPU containers
+    whose pod says cpu-quota.crio.io=disable: never for one we put in the shared pool."""
+    policy, state = xeon()
+    quota = {CRIO_CPU_QUOTA: value}
+    with pytest.raises(PolicyError, match=rf"opted out .*{CRIO_CPU_QUOTA}={value}") as err:
+        policy.admit(state, wl(2000, **{EXCLUSIVE_ANNOTATION: "false"}, **quota))
+    assert err.value.code == "bad-annotation"
+    # Exclusive CPUs: both lift the quota (cfs_quota = "unlimited"), no conflict.
+    assert policy.admit(state, wl(2000, **quota))[0].exclusive
+    # Containers CRI-O skips (Burstable, fractional CPUs) share as ever; so does "enable".
+    assert not policy.admit(state, wl(2000, qos=BURSTABLE, **quota))[0].exclusive
+    assert not policy.admit(state, wl(1500, **quota))[0].exclusive
+    enable = {CRIO_CPU_QUOTA: "enable", EXCLUSIVE_ANNOTATION: "false"}
+    assert not policy.admit(state, wl(2000, **enable))[0].exclusive
 
 
 def test_request_beyond_free_fails_naming_request_and_free():
