@@ -77,6 +77,7 @@ def test_daemon_on_a_full_disk(tmp_path) -> None:
         plugin.create_container(web, container("nginx", web, 500))
         fill(state_dir)
         # A restart with a valid state on a full disk: nothing changed, nothing written.
+        plugin.release_claim()  # the old daemon is gone (its claim with it)
         restarted = CPUPlugin(settings, Audit(records.append))
         restarted.load_state()
         api = nri_pod("api", "burstable")

@@ -105,7 +105,8 @@ def test_daemon_load_state_refuses_a_lock_link_and_leaves_its_target_alone(
     assert err.value.code == "lock-unusable"
     assert fingerprint(target) == before
     assert os.readlink(state_dir / "state.lock") == str(target)
-    assert sorted(p.name for p in state_dir.iterdir()) == ["state.lock"]
+    # Nothing else but the daemon's own claim on the directory (storage/owner.py).
+    assert sorted(p.name for p in state_dir.iterdir()) == ["daemon.lock", "state.lock"]
 
 
 def test_run_refuses_a_lock_link_in_one_line(

@@ -113,6 +113,7 @@ def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
         plugin.update_container(db, ctr, resources(48000))
     assert records.actions()[-1] == "refuse"
     assert plugin.state.assignments[ctr.id].cpus == P("1,25")  # nothing changed
+    plugin.release_claim()  # the old daemon is gone (its claim with it)
     restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
     restarted.load_state()
     assert restarted.state.assignments[ctr.id].cpus == P("1,25")
