@@ -1,4 +1,5 @@
-"""Benchmarks through real containerd 2.1.9 + runc (the test harness), side by side.
+"""Benchmarks through real containerd (2.1.9 unless a benchmark says which) + runc, the test
+harness's instances, side by side.
 
 Two private containerd instances run at once, one with a plugin and one without, and the
 measured operations alternate between them, so machine noise hits both sides alike.
@@ -109,6 +110,61 @@ def bench_exclusive_start_latency(rounds: int = 40, neighbour: bool = True) -> d
         "median_ratio": _ratio(samples["plugin"], samples["none"]),
         "allocations": pinned_count,
     }
+
+
+def bench_exclusive_by_version(version: str, shared: int, rounds: int = 30) -> dict:
+    """CRI CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU
+    container on containerd ``version`` with the CPU plugin vs with no plugin, while ``shared``
+    Burstable containers run on each node (in pods of up to 4, as a busy node's DaemonSets and
+    services would).  With the plugin, each creation's reply moves every shared container off
+    the new exclusive CPU (``runc update`` of each, before CreateContainer returns) and each
+    stop moves them back; the node without a plugin does neither."""
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        plain = stack.enter_context(Containerd(version, debug=False))
+        pinned = stack.enter_context(Containerd(version, debug=False))
+        daemon = Daemon(pinned.nri_socket, Path(tmp) / "state").start()
+        stack.callback(daemon.stop)
+        runtimes = {"plugin": pinned, "none": plain}
+        for runtime in runtimes.values():
+            cri = runtime.cri()
+            for p in range(0, shared, 4):
+                names = [f"s{c}" for c in range(p, min(p + 4, shared))]
+                specs = [ContainerSpec(n, cpu_request_milli=100, memory="16Mi") for n in names]
+                cri.run(PodSpec.for_containers(f"shared-{p // 4}", specs), specs)
+            assert len(cri.containers(state="CONTAINER_RUNNING")) == shared
+        pods = {
+            side: runtime.cri().run_pod(PodSpec("pinned", qos="guaranteed"))
+            for side, runtime in runtimes.items()
+        }
+        samples: dict[str, dict[str, list[float]]] = {
+            side: {"create": [], "create_start": []} for side in runtimes
+        }
+        warm_up = 3
+        for i in range(rounds + warm_up):
+            for side in ("plugin", "none") if i % 2 else ("none", "plugin"):
+                cri = runtimes[side].cri()
+                start = time.perf_counter()
+                cid = cri.create_container(pods[side], ContainerSpec.guaranteed(f"g{i}", 1))
+                created = time.perf_counter()
+                cri.start(cid)
+                started = time.perf_counter()
+                cri.stop(cid, timeout=0)
+                cri.remove(cid)
+                if i >= warm_up:
+                    samples[side]["create"].append(created - start)
+                    samples[side]["create_start"].append(started - start)
+        allocations = len(daemon.records("allocate"))
+        resizes = len(daemon.records("shared-resize"))
+    assert allocations == rounds + warm_up, f"{allocations} exclusive allocations"
+    result: dict = {"version": version, "shared": shared, "allocations": allocations}
+    for step in ("create", "create_start"):
+        result[step] = {
+            "plugin": summary(samples["plugin"][step]),
+            "none": summary(samples["none"][step]),
+            "median_ratio": _ratio(samples["plugin"][step], samples["none"][step]),
+        }
+    result["shared_resizes"] = resizes
+    return result
 
 
 AGGRESSOR = "while :; do :; done & while :; do :; done"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 
+from harness.containerd import NRI as CONTAINERD_NRI  # noqa: E402
+from harness.containerd import RELEASES as CONTAINERD_RELEASES  # noqa: E402
 from topologies import topology  # noqa: E402
 
 from . import scratch  # noqa: E402
@@ -22,6 +24,7 @@ from .bench_e2e import (  # noqa: E402
     bench_cold_start,
     bench_create_latency,
     bench_daemon_footprint,
+    bench_exclusive_by_version,
     bench_exclusive_start_latency,
     bench_noisy_neighbour,
     plot_noisy_neighbour,
@@ -358,7 +361,43 @@ def section_hardware(quick: bool) -> list[str]:
     ]
 
 
-SECTIONS = ("foundation", "transport", "plugin", "hook", "operations", "hardware")
+def section_versions(quick: bool) -> list[str]:
+    rounds = 8 if quick else 30
+    versions = sorted(CONTAINERD_RELEASES, key=lambda v: tuple(map(int, v.split("."))))
+    results = [
+        bench_exclusive_by_version(version, shared, rounds)
+        for version in versions
+        for shared in (0, 32)
+    ]
+    lines = [
+        "## containerd versions",
+        "",
+        "CRI CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU "
+        "container with `nri-cpuplugin run` vs no plugin, on each containerd the tests run, "
+        "two instances of it side by side, calls alternating; with 0 and with 32 Burstable "
+        "containers running on each node (pods of 4). With the plugin every creation moves "
+        "all shared containers off the new exclusive CPU before CreateContainer returns "
+        "(containerd runs `runc update` on each) and every stop moves them back.",
+        "",
+        "| containerd (NRI) | shared running | step | samples | with plugin median / p99 "
+        "| no plugin median / p99 | median ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        label = f"{CONTAINERD_RELEASES[r['version']]} ({CONTAINERD_NRI[r['version']]})"
+        for step, name in (("create", "create"), ("create_start", "create + start")):
+            s = r[step]
+            lines.append(
+                f"| {label} | {r['shared']} | {name} | {s['plugin']['n']} | "
+                f"{_ms(s['plugin']['median_ms'])} / {_ms(s['plugin']['p99_ms'])} | "
+                f"{_ms(s['none']['median_ms'])} / {_ms(s['none']['p99_ms'])} | "
+                f"**{s['median_ratio']:.3f}** |"
+            )
+    lines += [""]
+    return lines
+
+
+SECTIONS = ("foundation", "transport", "plugin", "hook", "operations", "hardware", "versions")
 
 
 def main() -> None:
@@ -384,6 +423,7 @@ def main() -> None:
         "hook": section_hook,
         "operations": section_operations,
         "hardware": section_hardware,
+        "versions": section_versions,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:

@@ -30,7 +30,11 @@ from e2e.daemon import REPO, Daemon, check_agreement
 from nri_cpuplugin.hardware import nic
 
 PLUGIN = Path(__file__).with_name("cni_test_plugin.py")
-CRI_RUNTIME_PLUGIN = {"1.7": "io.containerd.grpc.v1.cri", "2.1": "io.containerd.cri.v1.runtime"}
+CRI_RUNTIME_PLUGIN = {
+    "1.7": "io.containerd.grpc.v1.cri",
+    "2.1": "io.containerd.cri.v1.runtime",
+    "2.3": "io.containerd.cri.v1.runtime",
+}
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 
 

@@ -1,17 +1,23 @@
 """Our api/*.proto against upstream's: same names, numbers and types, byte for byte on the wire.
 
-Upstream schemas come from Debian's Go source packages (pinned by SHA256 in
-tests/harness/packages.py): NRI 0.6.1 and 0.8.0 ``pkg/api/api.proto``, ttrpc 1.2.4 and 1.2.7
-``request.proto`` + ``proto/status.proto``.  They are compiled with grpcio-tools' protoc into
-descriptor sets and compared with the descriptors embedded in our generated modules, so the
-check covers what actually runs.  Rules:
+Upstream schemas: NRI 0.6.1 and 0.8.0 ``pkg/api/api.proto`` and ttrpc 1.2.4 and 1.2.7
+``request.proto`` + ``proto/status.proto`` from Debian's Go source packages; NRI 0.12.0 from
+containerd 2.3.4's source tarball and NRI 0.11.0 from CRI-O 1.36.3's (their vendor trees; both
+tarballs and the files taken from them pinned by SHA256 in tests/harness/packages.py).  They
+are compiled with grpcio-tools' protoc into descriptor sets and compared with the descriptors
+embedded in our generated modules, so the check covers what actually runs.  Rules:
 
-- every message, field, enum value, service and method of ours exists in the newer upstream
-  (NRI 0.8.0 / ttrpc 1.2.7) under the same full name, with the same number, type, type name
-  (for message and enum fields), label and map-entry-ness; where it also exists in the older
-  one (0.6.1 / 1.2.4) it is the same there, and its number is not used by anything else there;
-- our messages lack no field, our enums no value, our services no method of the newer
-  upstream, so decoding sees everything 0.8.0 sends; for NRI we define every upstream type;
+- every message, field, enum value, service and method of ours exists in the newest upstream
+  (NRI 0.12.0 / ttrpc 1.2.7) under the same full name, with the same number, type, type name
+  (for message and enum fields), label and map-entry-ness; where it also exists in an older
+  one (NRI 0.11.0, 0.8.0, 0.6.1 / ttrpc 1.2.4) it is the same there, and its number is not
+  used by anything else there - except the Event enum's LAST sentinel, which NRI 0.10 moved
+  from 12 to 15 and which never travels;
+- decoding sees everything upstream sends in what we define: our messages, enums and
+  services lack nothing of NRI 0.8.0 (or ttrpc 1.2.7), those we added from NRI 0.10-0.12 lack
+  nothing of 0.12.0, and we define every NRI 0.8.0 type;
+- the upstream differences 0.6.1 -> 0.8.0, 0.8.0 -> 0.12.0 and 0.11.0 -> 0.12.0 (where they
+  touch what we define) and ttrpc 1.2.4 -> 1.2.7 are what docs/nri-wire.md §13.2 says;
 - the committed gencode is what ``./dev proto`` produces from api/ today.
 """
 
@@ -32,7 +38,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from nri_cpuplugin.nri.pb import nri_pb2, ttrpc_pb2, ttrpc_status_pb2
-from tests.harness import debs, packages
+from tests.harness import debs, packages, tarballs
 
 REPO = Path(__file__).resolve().parents[2]
 PB_DIR = REPO / "nri_cpuplugin" / "nri" / "pb"
@@ -73,6 +79,55 @@ NRI_061_TO_080 = {
     "+field nri.pkg.api.v1alpha1.LinuxContainerAdjustment.oom_score_adj = 4",
 }
 TTRPC_124_TO_127: set[str] = set()
+
+_P = "nri.pkg.api.v1alpha1"
+# What NRI 0.10-0.12 added to what we define (docs/nri-wire.md §13.2): the types we took,
+# fields of our messages, values of our enum, methods of our services.  Nothing was removed or
+# renumbered; the LAST sentinel moved.
+_PER_EVENT = (
+    "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "PostCreateContainer",
+    "StartContainer", "PostStartContainer", "PostUpdateContainer", "RemoveContainer",
+    "PostUpdatePodSandbox",
+)  # fmt: skip
+_NRI_011_TO_012 = {
+    f"+field {_P}.RegisterPluginRequest.NRI_version = 3",
+    f"+field {_P}.ConfigureRequest.NRI_version = 6",
+    f"+field {_P}.LinuxContainerAdjustment.memory_policy = 12",
+    *(f"+method {_P}.Plugin/{m}" for m in _PER_EVENT),
+    *(f"+message {_P}.{m}{part}" for m in _PER_EVENT for part in ("Request", "Response")),
+}
+NRI_080_TO_012 = _NRI_011_TO_012 | {
+    f"+field {_P}.Container.{name} = {number}"
+    for name, number in (
+        ("created_at", 14), ("started_at", 15), ("finished_at", 16), ("exit_code", 17),
+        ("status_reason", 18), ("status_message", 19), ("CDI_devices", 20), ("user", 21),
+    )
+} | {
+    f"+field {_P}.LinuxContainer.{name} = {number}"
+    for name, number in (
+        ("io_priority", 6), ("seccomp_profile", 7), ("seccomp_policy", 8), ("sysctl", 9),
+        ("net_devices", 10), ("scheduler", 11), ("rdt", 12),
+    )
+} | {
+    f"+field {_P}.LinuxContainerAdjustment.{name} = {number}"
+    for name, number in (
+        ("io_priority", 5), ("seccomp_policy", 6), ("namespaces", 7), ("sysctl", 8),
+        ("net_devices", 9), ("scheduler", 10), ("rdt", 11),
+    )
+} | {
+    f"+field {_P}.ContainerAdjustment.args = 9",
+    f"+method {_P}.Plugin/UpdatePodSandbox",
+    f"+message {_P}.UpdatePodSandboxRequest",
+    f"+message {_P}.UpdatePodSandboxResponse",
+    f"+method {_P}.Plugin/ValidateContainerAdjustment",
+    f"+value {_P}.Event.UPDATE_POD_SANDBOX = 12",
+    f"+value {_P}.Event.POST_UPDATE_POD_SANDBOX = 13",
+    f"+value {_P}.Event.VALIDATE_CONTAINER_ADJUSTMENT = 14",
+    f"~value {_P}.Event.LAST: 12 -> 15",
+}  # fmt: skip
+# The sentinel that moved: an older upstream's LAST = 12 is our UPDATE_POD_SANDBOX.  It never
+# travels (a valid mask is built from it), so differing from a pre-0.10 schema there is right.
+SENTINEL = f"{_P}.Event.LAST"
 
 
 # --- schemas as comparable indexes -------------------------------------------------------
@@ -149,8 +204,27 @@ def _compile_upstream(
     return [f for f in fds.file if not f.name.startswith("google/protobuf/")]
 
 
+# NRI schemas vendored by runtimes whose sources are pinned tarballs: (tarball, vendor dir).
+VENDORED = {
+    "NRI 0.12.0": (packages.CONTAINERD_23_SRC, "containerd/nri v0.12.0"),
+    "NRI 0.11.0": (packages.CRIO_136_SRC, "containerd/nri v0.11.0"),
+}
+VENDORED_API = Path("vendor/github.com/containerd/nri/pkg/api")
+
+
 @cache
 def _upstream(which: str) -> Schema:
+    schema = Schema(which)
+    if which in VENDORED:
+        tarball, module = VENDORED[which]
+        tree = tarballs.unpack(tarball)  # the tarball and the files used checked by SHA256
+        # The vendor tree is that version: go's own record of what it vendored says so.
+        assert f"# github.com/{module}\n" in (tree / "vendor/modules.txt").read_text(), which
+        with tempfile.TemporaryDirectory(prefix="upstream-proto-") as tmp:
+            files = _compile_upstream(tree / VENDORED_API, ["api.proto"], Path(tmp))
+        for fdp in files:
+            schema.add_file(fdp)
+        return schema
     deb = {
         "NRI 0.6.1": packages.NRI_API_061,
         "NRI 0.8.0": packages.NRI_API_080,
@@ -158,7 +232,6 @@ def _upstream(which: str) -> Schema:
         "ttrpc 1.2.7": packages.TTRPC_127,
     }[which]
     tree = debs.unpack(deb)
-    schema = Schema(which)
     with tempfile.TemporaryDirectory(prefix="upstream-proto-") as tmp:
         if which.startswith("NRI"):
             files = _compile_upstream(tree / NRI_SRC, ["pkg/api/api.proto"], Path(tmp))
@@ -374,21 +447,54 @@ def _report(problems: list[str]) -> str:
 
 # --- tests: schemas ----------------------------------------------------------------------
 
-PAIRS = [("NRI", "NRI 0.8.0", "NRI 0.6.1"), ("ttrpc", "ttrpc 1.2.7", "ttrpc 1.2.4")]
+PAIRS = [
+    ("NRI", "NRI 0.12.0", ("NRI 0.11.0", "NRI 0.8.0", "NRI 0.6.1")),
+    ("ttrpc", "ttrpc 1.2.7", ("ttrpc 1.2.4",)),
+]
 
 
-@pytest.mark.parametrize(("ours_name", "newer", "older"), PAIRS, ids=["nri", "ttrpc"])
-def test_everything_of_ours_matches_upstream(ours_name: str, newer: str, older: str) -> None:
+def _not_sentinel(problem: str) -> bool:
+    return SENTINEL not in problem and f"for {SENTINEL.rpartition('.')[2]}" not in problem
+
+
+@pytest.mark.parametrize(("ours_name", "newest", "older"), PAIRS, ids=["nri", "ttrpc"])
+def test_everything_of_ours_matches_upstream(
+    ours_name: str, newest: str, older: tuple[str, ...]
+) -> None:
     ours = OURS[ours_name]()
-    problems, _ = _compare(ours, _upstream(newer), required=True)
-    older_problems, _ = _compare(ours, _upstream(older), required=False)
-    assert not problems + older_problems, _report(problems + older_problems)
+    problems, _ = _compare(ours, _upstream(newest), required=True)
+    for label in older:
+        found, _ = _compare(ours, _upstream(label), required=False)
+        problems += [p for p in found if _not_sentinel(p)]
+    assert not problems, _report(problems)
 
 
-@pytest.mark.parametrize(("ours_name", "newer", "older"), PAIRS, ids=["nri", "ttrpc"])
-def test_our_types_lack_nothing_upstream_sends(ours_name: str, newer: str, older: str) -> None:
-    lacking = _lacking(OURS[ours_name](), _upstream(newer))
-    assert not lacking, f"missing here but present in {newer}: " + _report(lacking)
+def test_only_the_sentinel_differs_from_older_nri() -> None:
+    """The exception above is exactly the moved LAST, nothing else hides behind it."""
+    ours = OURS["NRI"]()
+    for label in ("NRI 0.8.0", "NRI 0.6.1"):
+        found, _ = _compare(ours, _upstream(label), required=False)
+        assert sorted(found) == [
+            f"enum value {_P}.Event.LAST: number is 15 here, 12 in {label}",
+            f"enum value {_P}.Event.UPDATE_POD_SANDBOX = 12: {label} uses 12 for LAST",
+        ], found
+
+
+@pytest.mark.parametrize(
+    ("ours_name", "reference"),
+    [("NRI", "NRI 0.8.0"), ("ttrpc", "ttrpc 1.2.7")],
+    ids=["nri", "ttrpc"],
+)
+def test_our_types_lack_nothing_upstream_sends(ours_name: str, reference: str) -> None:
+    ours = OURS[ours_name]()
+    base = _upstream(reference)
+    lacking = _lacking(ours, base)
+    if ours_name == "NRI":
+        # What we took from NRI 0.10-0.12 (types 0.8.0 does not have) is complete as of 0.12.0.
+        newer = Schema("ours, added after 0.8.0")
+        newer.messages = {n: m for n, m in ours.messages.items() if n not in base.messages}
+        lacking += _lacking(newer, _upstream("NRI 0.12.0"))
+    assert not lacking, "missing here but present upstream: " + _report(lacking)
 
 
 def test_we_define_every_nri_080_type() -> None:
@@ -421,6 +527,41 @@ def test_upstream_changes_between_versions(older: str, newer: str, expected: set
     print(f"\n{older} -> {newer}:", *sorted(changes) or ["(no change)"], sep="\n  ")
     assert changes == expected, (
         f"{older} -> {newer} differs from docs/nri-wire.md §13.2:\n"
+        f"  unexpected: {sorted(changes - expected)}\n  not seen: {sorted(expected - changes)}"
+    )
+
+
+def _touching(changes: set[str], ours: Schema) -> set[str]:
+    """The changes to what we define - types we took from the newer version, fields of our
+    messages, values of our enums, methods of our services - and every removal or change
+    anywhere; whole new types we do not define are left out."""
+    defined = {*ours.messages, *ours.enums, *ours.services}
+    kept = set()
+    for change in changes:
+        kind, _, rest = change.partition(" ")
+        subject = rest.split(" ", 1)[0].split(":", 1)[0]
+        if kind.endswith(("message", "enum", "service")):
+            owner = subject
+        elif kind.endswith("method"):
+            owner = subject.rpartition("/")[0]
+        else:  # a field or an enum value
+            owner = subject.rpartition(".")[0]
+        if not kind.startswith("+") or owner in defined:
+            kept.add(change)
+    return kept
+
+
+@pytest.mark.parametrize(
+    ("older", "expected"),
+    [("NRI 0.8.0", NRI_080_TO_012), ("NRI 0.11.0", _NRI_011_TO_012)],
+    ids=["from-0.8.0", "from-0.11.0"],
+)
+def test_nri_012_changes_to_what_we_define(older: str, expected: set[str]) -> None:
+    """docs/nri-wire.md §13.2 for NRI 0.10-0.12 (0.8.0: containerd 2.1; 0.11.0: CRI-O 1.36)."""
+    changes = _touching(_diff(_upstream(older), _upstream("NRI 0.12.0")), OURS["NRI"]())
+    print(f"\n{older} -> NRI 0.12.0:", *sorted(changes) or ["(no change)"], sep="\n  ")
+    assert changes == expected, (
+        f"{older} -> NRI 0.12.0 differs from docs/nri-wire.md §13.2:\n"
         f"  unexpected: {sorted(changes - expected)}\n  not seen: {sorted(expected - changes)}"
     )
 
