@@ -19,9 +19,20 @@ PLUGIN = "nri.pkg.api.v1alpha1.Plugin"
 
 
 class FakeRuntime:
-    def __init__(self, socket_path: Path, configure_before_register_reply: bool = True) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        configure_before_register_reply: bool = True,
+        *,
+        runtime: tuple[str, str] = ("fake", "v0"),
+        nri_version: str = "",
+    ) -> None:
         self.socket_path = socket_path
         self.configure_first = configure_before_register_reply
+        # What Configure says about the runtime: name and release, and (as NRI >= 0.12 does)
+        # its NRI version.
+        self.runtime = runtime
+        self.nri_version = nri_version
         self.registered = asyncio.Event()
         self.register_request: pb.RegisterPluginRequest | None = None
         self.update_requests: list[pb.UpdateContainersRequest] = []
@@ -121,10 +132,11 @@ class FakeRuntime:
         """False when the plugin answered with an error: then, like containerd, drop it."""
         request = pb.ConfigureRequest(
             config=config,
-            runtime_name="fake",
-            runtime_version="v0",
+            runtime_name=self.runtime[0],
+            runtime_version=self.runtime[1],
             request_timeout=2000,
             registration_timeout=5000,
+            NRI_version=self.nri_version,
         )
         response = await self.call("Configure", request)
         self.configure_reply = response

@@ -28,7 +28,7 @@ from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover
-from ..core.workload import Workload, from_nri
+from ..core.workload import Workload, from_nri, millicores_from_quota, millicores_from_shares
 from ..hardware import cgroupfs, cpusets, hotplug, nic
 from ..hardware.liveness import Liveness
 from ..nri.pb import nri_pb2 as pb
@@ -233,13 +233,17 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         await self.start_metrics()
         self.metrics.set_connected(True)
         self.metrics.observe_state(self.state, self.policy.topology)
+        # What the stub learnt of the runtime's NRI (said by NRI >= 0.12, else inferred).
+        nri = getattr(getattr(self.stub, "runtime_nri", None), "version", "")
         self.audit.record(
             "config",
-            f"configured by {runtime_name} {runtime_version}: reserved {self.policy.reserved}, "
+            f"configured by {runtime_name} {runtime_version}"
+            f"{f' (NRI {nri})' if nri else ''}: reserved {self.policy.reserved}, "
             f"options {','.join(sorted(self.policy.options)) or 'none'}, "
             f"state in {self.settings.state_dir}",
             reserved_cpus=self.policy.reserved,
             shared_cpus=self.state.shared,
+            nri_version=nri,
         )
         self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
 
@@ -374,6 +378,49 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
         self.audit.emit(outcome.events)
         self._push(outcome.targets)
+
+    def update_pod_sandbox(
+        self, pod: pb.PodSandbox, overhead: pb.LinuxResources, resources: pb.LinuxResources
+    ) -> None:
+        """A pod's pod-level resources changed (NRI >= 0.10, kubelet's in-place resize of a pod
+        with pod-level resources; docs/nri-wire.md §14).  The reply cannot carry updates, and
+        kubelet updates each resized container next (UpdateContainer, where we keep our
+        cpusets): here the pod's containers get their current cpusets again, sent right after
+        this reply, so nothing the resize did to the pod's cgroups is left in force.
+
+        Hook point: deciding a new exclusive size for a resized pod belongs to the engine
+        (core/engine.py); its outcome's targets go out the same way as these."""
+        cids = self._containers_of(pod.uid)
+        targets = [t for cid in cids for t in self.engine.update(self.state, cid).targets]
+        cpu = resources.cpu
+        request = millicores_from_shares(cpu.shares.value) if cpu.HasField("shares") else None
+        quota = cpu.quota.value if cpu.HasField("quota") else None
+        period = cpu.period.value if cpu.HasField("period") else None
+        limit = millicores_from_quota(quota, period)
+        exclusive = sorted(cid for cid in cids if cid in self.state.assignments)
+        self.audit.record(
+            "pod-update",
+            f"pod {pod.namespace}/{pod.name} resized (CPU request "
+            f"{'-' if request is None else f'{request}m'}, limit "
+            f"{'none' if limit is None else f'{limit}m'}): cpusets of its {len(targets)} "
+            f"containers kept ({len(exclusive)} exclusive)",
+            pod_namespace=pod.namespace,
+            pod_name=pod.name,
+            pod_uid=pod.uid,
+            cpu_request_milli=request,
+            cpu_limit_milli=limit,
+            containers=len(targets),
+        )
+        self._push(targets)
+
+    def _containers_of(self, pod_uid: str) -> list[str]:
+        """The containers we track for a pod: exclusive ones and those in the shared pool."""
+        state = self.state
+        if state is None or not pod_uid:
+            return []
+        held = [cid for cid, a in state.assignments.items() if a.pod_uid == pod_uid]
+        sharing = [cid for cid, uid in state.sharing.items() if uid == pod_uid]
+        return sorted({*held, *sharing})
 
     def connection_lost(self) -> None:
         self.metrics.set_connected(False)

@@ -1,6 +1,7 @@
 """The handlers a plugin may define, and checks on them: the event table, the subscription a
-plugin's handlers imply, how a Configure handler may narrow it, and misspelt handler names
-(an error at start-up, not a silently missing subscription).
+plugin's handlers imply, how a Configure handler may narrow it, which events the runtime's NRI
+version accepts, and misspelt handler names (an error at start-up, not a silently missing
+subscription).
 
 Event numbers and bits are NRI's (docs/nri-wire.md); handler names are ours, in the Go stub's
 spirit (``create_container`` for its ``CreateContainer``).
@@ -11,11 +12,12 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from ..base.errors import PluginError
 
 # Event number -> handler name.  Events up to REMOVE_CONTAINER (bits within 0x7FF) are valid on
-# every NRI version; the stub never asks for more (docs/nri-wire.md §7).
+# every NRI version; the pod-update events only from NRI 0.10 on (docs/nri-wire.md §7).
 EVENT_HANDLERS = {
     1: "run_pod_sandbox",
     2: "stop_pod_sandbox",
@@ -28,16 +30,18 @@ EVENT_HANDLERS = {
     9: "post_update_container",
     10: "stop_container",
     11: "remove_container",
-}
-VALID_EVENTS_BEFORE_0_10 = 0x7FF
-EVENT_BITS = {name: 1 << (event - 1) for event, name in EVENT_HANDLERS.items()}
-# NRI >= 0.10 events, in the Go stub's handler names.  This stub never subscribes to them, so a
-# plugin defining one would wait for calls that never come: named in errors, never served.
-UNSERVED_EVENTS = {
     12: "update_pod_sandbox",
     13: "post_update_pod_sandbox",
-    14: "validate_container_adjustment",
 }
+# The runtime refuses a mask with a bit outside its valid events and drops the plugin: the stub
+# sends only what the runtime's NRI version knows.
+VALID_EVENTS_BEFORE_0_10 = 0x7FF
+VALID_EVENTS_SINCE_0_10 = 0x3FFF
+EVENT_BITS = {name: 1 << (event - 1) for event, name in EVENT_HANDLERS.items()}
+# An event the Go stub has but this one never subscribes to: a validator's failure fails every
+# container creation, and a zero mask would subscribe to it (docs/nri-wire.md §7.3).  A plugin
+# defining it would wait for calls that never come: named in errors, never served.
+UNSERVED_EVENTS = {14: "validate_container_adjustment"}
 # Every name the stub calls on a plugin.
 LIFECYCLE_HANDLERS = ("configure", "synchronize", "shutdown", "connection_lost")
 KNOWN_HANDLERS = frozenset(EVENT_HANDLERS.values()) | frozenset(LIFECYCLE_HANDLERS)
@@ -47,9 +51,15 @@ HANDLER_SHAPED = re.compile(r"^on_|_(?:container|containers|sandbox|pod)$")
 # difflib ratio above which a public name counts as a misspelling of a handler: catches
 # synchronise, shutdwon, stop_contianer, post_stop_container; not start_metrics or stop_hotplug.
 MISSPELLING_CUTOFF = 0.8
-POD_EVENTS = {"run_pod_sandbox", "stop_pod_sandbox", "remove_pod_sandbox"}
-# NRI >= 0.12 calls these directly (falling back to StateChange when we answer UNIMPLEMENTED).
-# Their requests are {1 pod, 2 container}: wire-identical to CreateContainerRequest.
+# Handlers called with the pod alone (update_pod_sandbox gets the resources too: own method).
+POD_EVENTS = {
+    "run_pod_sandbox",
+    "stop_pod_sandbox",
+    "remove_pod_sandbox",
+    "post_update_pod_sandbox",
+}
+# NRI >= 0.12 calls these directly, falling back to StateChange when we answer UNIMPLEMENTED
+# (docs/nri-wire.md §9.5).
 PER_EVENT_METHODS = {
     "RunPodSandbox": "run_pod_sandbox",
     "StopPodSandbox": "stop_pod_sandbox",
@@ -59,7 +69,46 @@ PER_EVENT_METHODS = {
     "PostStartContainer": "post_start_container",
     "PostUpdateContainer": "post_update_container",
     "RemoveContainer": "remove_container",
+    "PostUpdatePodSandbox": "post_update_pod_sandbox",
 }
+# The oldest runtime releases with NRI >= 0.10, for runtimes that do not say their NRI version
+# (all before NRI 0.12): containerd 2.2.0 carries 0.10.0, CRI-O 1.34.0 too (§13.1).
+NRI_0_10_SINCE = {"containerd": (2, 2), "cri-o": (1, 34)}
+
+
+class NRIVersion(NamedTuple):
+    """What the stub knows of the runtime's NRI: ``version`` as the runtime said it (NRI >=
+    0.12) or as inferred from the runtime's own version ("" when neither worked), and whether
+    it accepts the events of NRI 0.10 and later."""
+
+    version: str
+    since_0_10: bool
+    inferred: bool
+
+    @property
+    def valid_events(self) -> int:
+        return VALID_EVENTS_SINCE_0_10 if self.since_0_10 else VALID_EVENTS_BEFORE_0_10
+
+
+def _leading_numbers(text: str) -> tuple[int, ...]:
+    """(2, 3, 4) from "v2.3.4", "2.1.9+unknown", "1.7.24~ds1", "v0.12.0-rc.1"; () if none."""
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    return tuple(int(g) for g in match.groups() if g is not None) if match else ()
+
+
+def runtime_nri(nri_version: str, runtime_name: str, runtime_version: str) -> NRIVersion:
+    """The runtime's NRI, from Configure: NRI 0.12 sends its version; older runtimes are known
+    by name and release.  An unknown runtime counts as old: subscribing to an event it does not
+    know would get the plugin dropped, missing an optional event costs nothing."""
+    said = _leading_numbers(nri_version)
+    if len(said) >= 2 and said[:2] != (0, 0):  # "0.0.0-unknown": a build without module data
+        return NRIVersion(nri_version.strip(), said[:2] >= (0, 10), inferred=False)
+    since = NRI_0_10_SINCE.get(runtime_name.strip().lower())
+    release = _leading_numbers(runtime_version)
+    if since is None or len(release) < 2:
+        return NRIVersion("", since_0_10=False, inferred=True)
+    newer = release[:2] >= since
+    return NRIVersion(">= 0.10" if newer else "< 0.10", newer, inferred=True)
 
 
 class SubscriptionError(PluginError, ValueError):

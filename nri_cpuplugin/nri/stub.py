@@ -13,11 +13,20 @@ exactly the events it has handlers for, in the manner of containerd/nri's Go ``p
     run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox(pod)                -> None
     post_create_container / start_container / post_start_container /
     post_update_container / remove_container(pod, container)                    -> None
+    update_pod_sandbox(pod, overhead, resources)    (NRI >= 0.10)               -> None
+    post_update_pod_sandbox(pod)                    (NRI >= 0.10)               -> None
     connection_lost()                                          -> None  (not an NRI event)
 
 Arguments are the generated protobuf messages (``nri_cpuplugin.nri.pb.nri_pb2``).  A handler
 that raises makes the stub answer with an error status, which fails the runtime operation
 (fail closed) while the plugin stays connected.
+
+Events are delivered however the runtime's NRI version sends them: NRI 0.12's own method per
+event, or StateChange before it (and whenever a method is answered UNIMPLEMENTED, see
+``unimplemented``).  The stub registers as speaking NRI 0.12 (``NRI_VERSION``) and subscribes
+only to events the runtime's NRI knows: the pod-update events need NRI 0.10, which the runtime
+says (0.12) or the stub infers from the runtime's name and release (``handlers.runtime_nri``);
+``runtime_nri`` holds the result once Configure has arrived.
 
 ``configure`` may narrow the subscription for this connection, as the Go stub's Configure
 handler can: return None (or the int 0, as in Go) to keep every handler's event, or the event
@@ -53,12 +62,13 @@ from .handlers import (
     EVENT_HANDLERS,
     PER_EVENT_METHODS,
     POD_EVENTS,
-    VALID_EVENTS_BEFORE_0_10,
+    NRIVersion,
     SubscriptionError,
     check_handlers,
     describe_events,
     event_mask,
     narrowed_events,
+    runtime_nri,
 )
 from .pb import nri_pb2 as pb
 
@@ -68,6 +78,21 @@ PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for external plugins
+# The NRI protocol level this stub speaks, sent in RegisterPlugin (NRI 0.12 logs it; older
+# runtimes skip the field): per-event methods, the pod-update events, the version exchange.
+NRI_VERSION = "v0.12.0"
+# Each per-event method's request message (docs/nri-wire.md §9.5).
+PER_EVENT_REQUESTS: dict[str, Any] = {
+    "RunPodSandbox": pb.RunPodSandboxRequest,
+    "StopPodSandbox": pb.StopPodSandboxRequest,
+    "RemovePodSandbox": pb.RemovePodSandboxRequest,
+    "PostCreateContainer": pb.PostCreateContainerRequest,
+    "StartContainer": pb.StartContainerRequest,
+    "PostStartContainer": pb.PostStartContainerRequest,
+    "PostUpdateContainer": pb.PostUpdateContainerRequest,
+    "RemoveContainer": pb.RemoveContainerRequest,
+    "PostUpdatePodSandbox": pb.PostUpdatePodSandboxRequest,
+}
 
 # Deadlines and what a miss costs: docs/nri-wire.md §12.
 REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
@@ -99,6 +124,11 @@ class Stub:
     runtime goes away) and *runtime-launched* (the runtime started us from its plugin
     directory and passed a connected socket as fd ``NRI_PLUGIN_SOCKET``; when it closes we
     are done, since a socketpair cannot be reopened).
+
+    ``unimplemented`` names NRI 0.12 per-event methods (``"StartContainer"``, ...) to answer
+    with UNIMPLEMENTED although the plugin handles the event: the runtime then delivers that
+    event, and every later one on the connection, as StateChange - what an NRI 0.11 plugin
+    gets.  For tests of that fallback, and for a plugin that must behave like an older one.
     """
 
     def __init__(
@@ -109,6 +139,7 @@ class Stub:
         socket_path: str | None = None,
         launched_fd: int | None = None,
         observe: Callable[[str, float], None] | None = None,
+        unimplemented: Iterable[str] = (),
     ) -> None:
         if not (len(index) == 2 and index.isdigit()):
             raise ValueError(f"plugin index {index!r} must be two digits, 00-99")
@@ -130,6 +161,8 @@ class Stub:
             raise ValueError("the plugin defines no event handlers; nothing to subscribe to")
         self.runtime_name = ""
         self.runtime_version = ""
+        # Until Configure says otherwise: an old runtime, which accepts the fewest events.
+        self.runtime_nri = NRIVersion("", since_0_10=False, inferred=True)
         self.request_timeout = REQUEST_TIMEOUT
         self.registration_timeout = REGISTRATION_TIMEOUT
         self.connected = asyncio.Event()
@@ -151,9 +184,18 @@ class Stub:
             "StopContainer": self._stop_container,
             "StateChange": self._state_change,
         }
+        refused = set(unimplemented)
+        if refused - PER_EVENT_METHODS.keys():
+            raise ValueError(
+                f"unimplemented={sorted(refused - PER_EVENT_METHODS.keys())}: only NRI 0.12 "
+                f"per-event methods fall back to StateChange ({', '.join(PER_EVENT_METHODS)})"
+            )
         for method, handler in PER_EVENT_METHODS.items():
-            if callable(getattr(plugin, handler, None)):
-                self._methods[method] = self._per_event(handler)
+            if callable(getattr(plugin, handler, None)) and method not in refused:
+                self._methods[method] = self._per_event(method, handler)
+        if callable(getattr(plugin, "update_pod_sandbox", None)):
+            # No StateChange form exists for it: served whenever the plugin handles it.
+            self._methods["UpdatePodSandbox"] = self._update_pod_sandbox
 
     @classmethod
     def from_environment(
@@ -163,12 +205,15 @@ class Stub:
         index: str,
         socket_path: str | None = None,
         observe: Callable[[str, float], None] | None = None,
+        unimplemented: Iterable[str] = (),
     ) -> Stub:
         """Runtime-launched when NRI_PLUGIN_SOCKET is set (name and index then come from the
         runtime too); otherwise a daemon on ``socket_path``."""
         fd = os.environ.get("NRI_PLUGIN_SOCKET")
         if fd is None:
-            return cls(plugin, name, index, socket_path, observe=observe)
+            return cls(
+                plugin, name, index, socket_path, observe=observe, unimplemented=unimplemented
+            )
         if not fd.isdigit():
             raise ValueError(f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number")
         return cls(
@@ -177,6 +222,7 @@ class Stub:
             os.environ.get("NRI_PLUGIN_IDX") or index,
             launched_fd=int(fd),
             observe=observe,
+            unimplemented=unimplemented,
         )
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -241,7 +287,9 @@ class Stub:
                 await self._call_plugin("connection_lost")
 
     async def _register(self) -> None:
-        request = pb.RegisterPluginRequest(plugin_name=self.name, plugin_idx=self.index)
+        request = pb.RegisterPluginRequest(
+            plugin_name=self.name, plugin_idx=self.index, NRI_version=NRI_VERSION
+        )
         response = await self._call(
             "RegisterPlugin", request.SerializeToString(), self.registration_timeout
         )
@@ -320,6 +368,8 @@ class Stub:
             return
         handler = self._methods.get(request.method)
         if handler is None:
+            # NRI 0.12 then resends the event as StateChange (docs/nri-wire.md §9.5).
+            log.debug("answering %s with UNIMPLEMENTED", request.method)
             await self._reply(
                 request.stream_id, b"", wire.UNIMPLEMENTED, f"method {request.method}"
             )
@@ -374,6 +424,9 @@ class Stub:
             self.request_timeout = request.request_timeout / 1000
         if request.registration_timeout > 0:
             self.registration_timeout = request.registration_timeout / 1000
+        self.runtime_nri = runtime_nri(
+            request.NRI_version, request.runtime_name, request.runtime_version
+        )
         wanted = await self._call_plugin(
             "configure", request.config, request.runtime_name, request.runtime_version
         )
@@ -384,9 +437,25 @@ class Stub:
             # Go plugin whose Configure asks for events it cannot handle.
             log.error("refusing the plugin's subscription: %s", err)
             raise
-        self.events = events & VALID_EVENTS_BEFORE_0_10
+        valid = self.runtime_nri.valid_events
+        if events & ~valid:
+            nri = self.runtime_nri.version or "unknown"
+            log.info(
+                "not subscribing to %s: %s %s (NRI %s) does not send them",
+                describe_events(events & ~valid),
+                request.runtime_name,
+                request.runtime_version,
+                nri,
+            )
+        self.events = events & valid
+        if not self.events:
+            # On the wire 0 would mean every event, validation included: refuse instead.
+            raise SubscriptionError(
+                f"none of the plugin's events ({describe_events(events)}) is one "
+                f"{request.runtime_name} {request.runtime_version} can send"
+            )
         if self.events != self.handled_events:
-            log.info("configure() narrowed the subscription to %s", describe_events(self.events))
+            log.info("subscribed to %s", describe_events(self.events))
         self._configured = True
         return pb.ConfigureResponse(events=self.events).SerializeToString()
 
@@ -429,19 +498,35 @@ class Stub:
     async def _state_change(self, payload: bytes) -> bytes:
         request = pb.StateChangeEvent.FromString(payload)
         name = EVENT_HANDLERS.get(request.event)
-        if name is not None:
+        # UPDATE_POD_SANDBOX carries resources, which a StateChange cannot: never sent so.
+        if name is not None and name != "update_pod_sandbox":
             await self._dispatch_event(name, request.pod, request.container)
         return b""
 
-    def _per_event(self, name: str) -> Callable[[bytes], Any]:
+    def _per_event(self, method: str, name: str) -> Callable[[bytes], Any]:
+        message = PER_EVENT_REQUESTS[method]
+
         async def serve(payload: bytes) -> bytes:
-            request = pb.CreateContainerRequest.FromString(payload)  # {1 pod, 2 container}
-            await self._dispatch_event(name, request.pod, request.container)
-            return b""
+            request = message.FromString(payload)
+            container = request.container if name not in POD_EVENTS else None
+            await self._dispatch_event(name, request.pod, container)
+            return b""  # every per-event response is an empty message
 
         return serve
 
-    async def _dispatch_event(self, name: str, pod: pb.PodSandbox, container: pb.Container) -> None:
+    async def _update_pod_sandbox(self, payload: bytes) -> bytes:
+        request = pb.UpdatePodSandboxRequest.FromString(payload)
+        await self._call_plugin(
+            "update_pod_sandbox",
+            request.pod,
+            request.overhead_linux_resources,
+            request.linux_resources,
+        )
+        return b""  # UpdatePodSandboxResponse has no fields
+
+    async def _dispatch_event(
+        self, name: str, pod: pb.PodSandbox, container: pb.Container | None
+    ) -> None:
         if name in POD_EVENTS:
             await self._call_plugin(name, pod)
         else:

@@ -18,12 +18,8 @@ from harness import host
 from harness.containerd import Containerd
 from harness.k8s import ContainerSpec, PodSpec
 
+from .bench_e2e import _ratio
 from .stats import summary
-
-
-def _ratio(a: list[float], b: list[float]) -> float:
-    a, b = sorted(a), sorted(b)
-    return a[len(a) // 2] / b[len(b) // 2]
 
 
 def bench_dense_create(version: str, running: int, rounds: int) -> dict:

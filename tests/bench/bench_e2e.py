@@ -1,4 +1,5 @@
-"""Benchmarks through real containerd 2.1.9 + runc (the test harness), side by side.
+"""Benchmarks through real containerd (2.1.9 unless a benchmark says which) + runc, the test
+harness's instances, side by side.
 
 Two private containerd instances run at once, one with a plugin and one without, and the
 measured operations alternate between them, so machine noise hits both sides alike.

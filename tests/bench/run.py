@@ -12,6 +12,8 @@ import os
 import platform
 from pathlib import Path
 
+from harness.containerd import NRI as CONTAINERD_NRI
+from harness.containerd import RELEASES as CONTAINERD_RELEASES
 from topologies import topology
 
 from . import scratch
@@ -408,14 +410,15 @@ def section_density(quick: bool) -> list[str]:
         "open* counts shared containers still allowed on that CPU when CreateContainer returned "
         "(summed over the rounds).",
         "",
-        "| containerd | running shared | create, plugin (median / p99) | create, no plugin | "
+        "| containerd (NRI) | running shared | create, plugin (median / p99) | create, no plugin | "
         "ratio | create+start ratio | window open |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, n = r["create"]["plugin"], r["create"]["none"]
+        label = f"{CONTAINERD_RELEASES[r['version']]} ({CONTAINERD_NRI[r['version']]})"
         lines.append(
-            f"| {r['version']} | {r['running']} | {_ms(p['median_ms'])} / {_ms(p['p99_ms'])} | "
+            f"| {label} | {r['running']} | {_ms(p['median_ms'])} / {_ms(p['p99_ms'])} | "
             f"{_ms(n['median_ms'])} / {_ms(n['p99_ms'])} | {r['create_ratio']:.2f} | "
             f"{r['create_start_ratio']:.2f} | {r['window_open']} |"
         )

@@ -1,8 +1,9 @@
-"""Fixtures for tests that run real containerd (1.7 and 2.1) through CRI, with NRI enabled.
+"""Fixtures for tests that run real containerd (1.7, 2.1 and 2.3) through CRI, with NRI enabled.
 
-* ``containerd`` - a started, private containerd per test, parametrized over both versions
-  (ids ``containerd-1.7`` / ``containerd-2.1``).  Function scope: a test may restart or kill
-  it, and start-up is ~0.2 s.  Teardown removes every pod, process, mount and cgroup it made.
+* ``containerd`` - a started, private containerd per test, parametrized over every version
+  (ids ``containerd-1.7`` / ``containerd-2.1`` / ``containerd-2.3``).  Function scope: a test
+  may restart or kill it, and start-up is ~0.2 s.  Teardown removes every pod, process, mount
+  and cgroup it made.
 * ``make_containerd`` - the same, with options (NRI timeouts, plugins placed before start...).
 * ``cri`` - the CRI client of ``containerd``.
 
@@ -20,10 +21,10 @@ from typing import Any
 import pytest
 from harness import cri as cri_mod
 from harness import debs, image
-from harness.containerd import VERSIONS, Containerd, reap_stale
+from harness.containerd import VERSIONS, Containerd, bin_dir, reap_stale
 from harness.packages import RUNC
 
-CONTAINERD_VERSIONS = sorted(VERSIONS)
+CONTAINERD_VERSIONS = sorted(VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,8 +46,9 @@ def lab() -> Path:
         pytest.fail("e2e tests run containerd and need root", pytrace=False)
     error = None
     try:
-        for deb in (*VERSIONS.values(), RUNC):
-            debs.unpack(deb)
+        for version in VERSIONS:
+            bin_dir(version)  # unpacked and checked against the pins
+        debs.unpack(RUNC)
         image.images_tar()
         cri_mod.stubs()
     except Exception as e:

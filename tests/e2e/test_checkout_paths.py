@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from harness import containerd as containerd_harness
-from harness import debs, host, shortpaths
+from harness import debs, host, shortpaths, tarballs
 from harness import podman as podman_harness
 from harness import runc as runc_harness
 from harness.k8s import PodSpec
@@ -51,9 +51,13 @@ SLICE = (
     "tests/e2e/test_hook_podman.py::"
     "test_matching_container_is_pinned_and_released_non_matching_untouched",
 )
-# What the slice downloads: handed to the copies so that they need no network.
+# What the slice downloads: handed to the copies so that they need no network.  A copy has no
+# shared runtimes directory beside it: the tarballs the lab fixture prepares are seeded too.
+SLICE_TARBALLS = tuple(
+    t for t in containerd_harness.VERSIONS.values() if isinstance(t, tarballs.Tarball)
+)
 SLICE_DEBS = (
-    *containerd_harness.VERSIONS.values(),
+    *(d for d in containerd_harness.VERSIONS.values() if isinstance(d, debs.Deb)),
     RUNC,
     BUSYBOX_STATIC,
     CRI_API,
@@ -221,16 +225,19 @@ def _copy_checkout(dest: Path) -> None:
 
 
 def _seed_debs(checkout: Path) -> None:
-    """The verified .debs only (hard links where possible): the copy unpacks, builds and
-    generates everything else itself, as a fresh clone does."""
-    target = checkout / ".lab" / "debs"
-    target.mkdir(parents=True)
-    for deb in SLICE_DEBS:
-        source = debs.fetch(deb)  # downloaded once for this lab, checked against its pin
-        try:
-            os.link(source, target / source.name)
-        except OSError:  # another filesystem
-            shutil.copy2(source, target / source.name)
+    """The verified .debs and tarballs only (hard links where possible): the copy unpacks,
+    builds and generates everything else itself, as a fresh clone does."""
+    for sub, fetched in (
+        ("debs", [debs.fetch(deb) for deb in SLICE_DEBS]),  # checked against their pins
+        ("tarballs", [tarballs.fetch(t) for t in SLICE_TARBALLS]),
+    ):
+        target = checkout / ".lab" / sub
+        target.mkdir(parents=True)
+        for source in fetched:
+            try:
+                os.link(source, target / source.name)
+            except OSError:  # another filesystem
+                shutil.copy2(source, target / source.name)
 
 
 def _venv(checkout: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The CPU plugin daemon end to end, through real containerd 1.7.24 and 2.1.9 and runc, on
+"""The CPU plugin daemon end to end, through real containerd 1.7.24, 2.1.9 and 2.3.4 and runc, on
 this 2-CPU machine: CPU 0 reserved (and shared), CPU 1 exclusive."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Real CPU hotplug under real containerd 1.7.24 / 2.1.9, the daemon and running containers.
+"""Real CPU hotplug under real containerd 1.7.24 / 2.1.9 / 2.3.4, the daemon and running containers.
 
 CPU 1 of this 2-CPU machine goes offline and comes back (``/sys/devices/system/cpu/cpu1/online``)
 while an exclusive container is pinned to it and a shared container runs on CPU 0.  After each

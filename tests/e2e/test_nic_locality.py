@@ -1,7 +1,7 @@
-"""NIC locality end to end: real containerd 1.7.24 / 2.1.9 creates each pod's network namespace
-and runs a real CNI plugin (e2e/cni_test_plugin.py: a veth as eth0, and for ``nic-*`` pods a
-macvlan ``net1`` on this machine's virtio NIC); NRI hands the daemon the namespace's path, the
-daemon lists the interfaces inside with pyroute2, traces net1 to its device and places the
+"""NIC locality end to end: real containerd 1.7.24 / 2.1.9 / 2.3.4 creates each pod's network
+namespace and runs a real CNI plugin (e2e/cni_test_plugin.py: a veth as eth0, and for ``nic-*``
+pods a macvlan ``net1`` on this machine's virtio NIC); NRI hands the daemon the namespace's path,
+the daemon lists the interfaces inside with pyroute2, traces net1 to its device and places the
 container.
 
 This machine has one NUMA node and its NIC says ``numa_node = -1``: with the real /sys there is
@@ -30,7 +30,11 @@ from e2e.daemon import REPO, Daemon, check_agreement
 from nri_cpuplugin.hardware import nic
 
 PLUGIN = Path(__file__).with_name("cni_test_plugin.py")
-CRI_RUNTIME_PLUGIN = {"1.7": "io.containerd.grpc.v1.cri", "2.1": "io.containerd.cri.v1.runtime"}
+CRI_RUNTIME_PLUGIN = {
+    "1.7": "io.containerd.grpc.v1.cri",
+    "2.1": "io.containerd.cri.v1.runtime",
+    "2.3": "io.containerd.cri.v1.runtime",
+}
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 
 

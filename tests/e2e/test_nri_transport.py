@@ -1,13 +1,12 @@
-"""Our NRI transport (mux, ttrpc, stub) against real containerd 1.7.24 (NRI 0.6.1) and 2.1.9
-(NRI 0.8.0), with the recording test plugin of nri_test_plugin.py."""
+"""Our NRI transport (mux, ttrpc, stub) against real containerd 1.7.24 (NRI 0.6.1), 2.1.9
+(NRI 0.8.0) and 2.3.4 (NRI 0.12.0), with the recording test plugin of nri_test_plugin.py.
+What only NRI 0.12 does is in test_nri_012.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,37 +18,9 @@ from harness.cri import CRIError
 from harness.k8s import ContainerSpec
 
 from e2e.daemon import wait_for
+from e2e.plugin_process import PLUGIN, PluginProcess
 
-PLUGIN = Path(__file__).with_name("nri_test_plugin.py")
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
-
-
-class PluginProcess:
-    def __init__(self, log: Path) -> None:
-        self.log = log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, socket: Path, **settings: object) -> PluginProcess:
-        config = json.dumps({"log": str(self.log), "socket": str(socket), **settings})
-        self.output = open(self.log.with_suffix(".out"), "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PLUGIN), config], stdout=self.output, stderr=subprocess.STDOUT
-        )
-        wait_for("the plugin to register", lambda: self.events("configure"))
-        return self
-
-    def events(self, *names: str) -> list[dict]:
-        if not self.log.exists():
-            return []
-        records = [json.loads(line) for line in self.log.read_text().splitlines()]
-        return [r for r in records if not names or r["event"] in names]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        if self.proc is not None:
-            self.output.close()
 
 
 @pytest.fixture

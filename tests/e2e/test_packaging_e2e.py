@@ -1,4 +1,4 @@
-"""packaging/ against the real runtimes, containerd 1.7.24 and 2.1.9.
+"""packaging/ against the real runtimes, containerd 1.7.24, 2.1.9 and 2.3.4.
 
 * The containerd NRI drop-ins, merged into a full private config through ``imports``, as
   ``containerd config dump`` shows them; 1.7 refuses the 2.x file (why there are two).
@@ -38,7 +38,11 @@ PACKAGING = REPO / "packaging"
 DROP_INS = {
     "1.7": PACKAGING / "containerd/nri-containerd-1.7.toml",
     "2.1": PACKAGING / "containerd/nri-containerd-2.x.toml",
+    "2.3": PACKAGING / "containerd/nri-containerd-2.x.toml",
 }
+# containerd 2.3 reads config version 3 and migrates it in memory: `config dump` says 4.
+DUMPED_VERSION = {"1.7": 2, "2.1": 3, "2.3": 4}
+FAIL_CLOSED = PACKAGING / "containerd/nri-containerd-2.2-fail-closed.toml"
 NRI = "io.containerd.nri.v1.nri"
 LAUNCHER = PACKAGING / "nri/10-cpuplugin"
 LAUNCHED_CONF = PACKAGING / "nri/10-cpuplugin.conf"
@@ -115,12 +119,35 @@ def test_containerd_config_dump_shows_the_dropin_merged(
     doc = tomllib.loads(merged.stdout)
     # 1.7 lists the files it read, 2.x the patterns as written.
     assert {str(conf_d / "nri-cpuplugin.toml"), str(conf_d / "*.toml")} & set(doc["imports"])
-    assert doc["version"] == shipped_version(dropin)
+    assert doc["version"] == DUMPED_VERSION[containerd_version]
     assert {k: doc["plugins"][NRI][k] for k in shipped} == shipped
 
 
-def shipped_version(path: Path) -> int:
-    return tomllib.loads(path.read_text())["version"]
+def test_containerd_fail_closed_dropin_is_applied_from_22_and_ignored_before(
+    lab: Path, containerd_version: str, tmp_path: Path
+) -> None:
+    """2.3 runs with the validator; 2.1 only warns that it does not know the table (and stays
+    fail-open: why the drop-in's name says 2.2); 1.7 refuses config version 3 outright.  The
+    validator's behaviour itself: tests/e2e/test_fail_closed.py."""
+    ctrd = Containerd(containerd_version, lab=lab)
+    config = main_config_without_nri(ctrd)
+    conf_d = tmp_path / "conf.d"
+    conf_d.mkdir()
+    (conf_d / "nri-cpuplugin.toml").write_text(FAIL_CLOSED.read_text())
+    config["imports"] = [str(conf_d / "*.toml")]
+    result = dump(ctrd, config, tmp_path)
+    shipped = tomllib.loads(FAIL_CLOSED.read_text())["plugins"][NRI]["default_validator"]
+    if containerd_version == "1.7":
+        assert result.returncode != 0 and "unsupported config version `3`" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-2000:]
+    nri = tomllib.loads(result.stdout)["plugins"][NRI]
+    if containerd_version == "2.1":
+        assert "default_validator" not in nri
+        assert "Ignoring unknown key in TOML for plugin" in result.stderr
+        assert "key=default_validator" in result.stderr
+    else:
+        assert {k: nri["default_validator"][k] for k in shipped} == shipped
 
 
 def test_containerd_17_refuses_the_2x_dropin(lab: Path, tmp_path: Path) -> None:

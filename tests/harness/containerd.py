@@ -1,11 +1,12 @@
-"""A private, disposable containerd (1.7 or 2.1) with NRI enabled, for the e2e tests.
+"""A private, disposable containerd (1.7, 2.1 or 2.3) with NRI enabled, for the e2e tests.
 
 Each :class:`Containerd` owns one directory under ``<lab>/run/`` holding its config, state,
 runc state, NRI plugin directories, pod logs and its log file; one short private directory
 (``shortpaths.py``) holding what a long checkout path would break - its sockets and its root;
 and one private top cgroup (``/nri-e2e-<token>``) under which every pod cgroup is created.
 Nothing is installed and the host's containerd (if any) is never touched: binaries come from the
-pinned Debian packages, unpacked into the lab cache.
+pinned Debian packages (1.7.24, 2.1.9) or the pinned release tarball (2.3.4, harness/tarballs.py),
+unpacked into the lab cache.
 
 Teardown (:meth:`Containerd.teardown`, also run by the context manager and by
 :func:`reap_stale` for instances a killed test run left behind) works even when the runtime is
@@ -32,11 +33,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image, shortpaths
+from . import debs, host, image, shortpaths, tarballs
 from .cri import CRIClient, CRIError
-from .packages import CONTAINERD_17, CONTAINERD_21, RUNC
+from .debs import Deb
+from .packages import CONTAINERD_17, CONTAINERD_21, CONTAINERD_23, RUNC
+from .tarballs import Tarball
 
-VERSIONS = {"1.7": CONTAINERD_17, "2.1": CONTAINERD_21}
+# The instance kinds, by minor version; each is one pinned build (RELEASES: its full version,
+# NRI: the NRI library it carries, docs/nri-wire.md §13.1).
+VERSIONS: dict[str, Deb | Tarball] = {
+    "1.7": CONTAINERD_17,
+    "2.1": CONTAINERD_21,
+    "2.3": CONTAINERD_23,
+}
+RELEASES = {"1.7": "1.7.24", "2.1": "2.1.9", "2.3": "2.3.4"}
+NRI = {"1.7": "0.6.1", "2.1": "0.8.0", "2.3": "0.12.0"}
 _MNT_DETACH = 2
 # containerd always puts shim sockets here; no configuration setting moves them.
 _SHIM_SOCKET_DIR = Path("/run/containerd/s")
@@ -44,6 +55,20 @@ _SHIM_SOCKET_DIR = Path("/run/containerd/s")
 
 class HarnessError(RuntimeError):
     """The runtime could not be started or cleaned up; the message carries the evidence."""
+
+
+def at_least(version: str, minimum: str) -> bool:
+    """``version`` (``"2.3"``) is ``minimum`` or newer."""
+    return tuple(map(int, version.split("."))) >= tuple(map(int, minimum.split(".")))
+
+
+def bin_dir(version: str, lab: Path = debs.LAB) -> Path:
+    """Where ``containerd``, ``ctr`` and ``containerd-shim-runc-v2`` of ``version`` are,
+    unpacked (and, for a tarball, checked against their pins) on first use."""
+    artifact = VERSIONS[version]
+    if isinstance(artifact, Tarball):
+        return tarballs.unpack(artifact, lab) / "bin"
+    return debs.unpack(artifact, lab) / "usr/bin"
 
 
 def _duration(value: float | str) -> str:
@@ -178,16 +203,27 @@ class Containerd:
         return self.dir / "runc"
 
     @property
-    def pkg(self) -> Path:
-        return debs.unpack(VERSIONS[self.version], self.lab)
+    def bin_dir(self) -> Path:
+        return bin_dir(self.version, self.lab)
 
     @property
     def binary(self) -> Path:
-        return self.pkg / "usr/bin/containerd"
+        return self.bin_dir / "containerd"
 
     @property
     def ctr(self) -> Path:
-        return self.pkg / "usr/bin/ctr"
+        return self.bin_dir / "ctr"
+
+    @property
+    def release(self) -> str:
+        """The full version, e.g. ``2.3.4``."""
+        return RELEASES[self.version]
+
+    @property
+    def shim_socket_dir(self) -> Path:
+        """Where shims put their sockets: configurable from 2.3 on (at most 42 characters, so
+        in the short directory); always /run/containerd/s before."""
+        return self.short_dir / "s" if at_least(self.version, "2.3") else _SHIM_SOCKET_DIR
 
     @property
     def runc(self) -> Path:
@@ -262,7 +298,8 @@ class Containerd:
                     "io.containerd.nri.v1.nri": self._nri_section(),
                 },
             }
-        return {
+        config: dict[str, Any] = {
+            # 2.3 writes version 4 and migrates a version 3 file in memory: one file for 2.x.
             "version": 3,
             **common,
             "disabled_plugins": [
@@ -289,6 +326,14 @@ class Containerd:
                 "io.containerd.nri.v1.nri": self._nri_section(),
             },
         }
+        if at_least(self.version, "2.3"):
+            # 2.3 imports /etc/containerd/conf.d/*.toml unless told otherwise: nothing of the
+            # host's.  Its shims' sockets can live in the instance (2.1 forces /run/containerd/s).
+            config["imports"] = []
+            config["plugins"]["io.containerd.shim.v1.manager"] = {
+                "socket_dir": self.shim_socket_dir
+            }
+        return config
 
     def _prepare(self) -> None:
         for sub in ("state", "tmp", "cni/bin", "cni/net.d", "cdi", "logs", "opt"):

@@ -466,6 +466,47 @@ class CRIClient:
             self.pb.UpdateContainerResourcesRequest(container_id=cid, linux=r),
         )
 
+    def update_pod_resources(
+        self,
+        pod_id: str,
+        *,
+        cpu_request_milli: int | None = None,
+        cpu_limit_milli: int | None = None,
+        memory: int | str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """UpdatePodSandboxResources, as kubelet sends it after resizing a pod's pod-level
+        cgroup (CRI since Kubernetes 1.33; containerd >= 2.2 relays it to NRI plugins as
+        UpdatePodSandbox).  ``resources`` carries the pod's new totals, ``overhead`` is left
+        empty (no RuntimeClass overhead here).
+
+        Debian's cri-api 0.32.3, which the stubs come from, predates the call: the request is
+        encoded here from the stub's own LinuxContainerResources, by field number
+        (UpdatePodSandboxResourcesRequest: 1 pod_sandbox_id, 2 overhead, 3 resources), and
+        sent over the same channel.  The response has no fields."""
+        import grpc
+
+        resources = self.pb.LinuxContainerResources()
+        if cpu_request_milli is not None:
+            resources.cpu_shares = milli_to_shares(cpu_request_milli)
+        if cpu_limit_milli is not None:
+            resources.cpu_period = CFS_PERIOD_US
+            resources.cpu_quota = milli_to_quota(cpu_limit_milli)
+        if memory is not None:
+            resources.memory_limit_in_bytes = memory_bytes(memory) or 0
+        request = _length_delimited(1, pod_id.encode()) + _length_delimited(
+            3, resources.SerializeToString()
+        )
+        call = self._channel.unary_unary(
+            "/runtime.v1.RuntimeService/UpdatePodSandboxResources",
+            request_serializer=lambda raw: raw,
+            response_deserializer=lambda raw: raw,
+        )
+        try:
+            call(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise CRIError("UpdatePodSandboxResources", e.code().name, e.details() or "") from None
+
     def container_status(self, cid: str) -> dict[str, Any]:
         """ContainerStatus(verbose) as a dict: ``status`` (CRI's view) and ``info``."""
         from google.protobuf import json_format
@@ -667,6 +708,20 @@ class CRIClient:
         )
         self._pods[pod_id] = message
         return message
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    """One protobuf field of wire type 2 (bytes, string, message)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 _LOG_LINE = re.compile(r"^(\S+) (stdout|stderr) ([PF]) ?(.*)$")

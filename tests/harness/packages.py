@@ -1,8 +1,9 @@
-"""The exact Debian packages the tests run against, pinned by version and SHA256."""
+"""The exact Debian packages and tarballs the tests run against, pinned by version and SHA256."""
 
 from __future__ import annotations
 
 from .debs import Deb
+from .tarballs import Tarball
 
 # containerd 1.7.24 carries NRI 0.6.1 (trixie); 2.1.9 carries NRI 0.8.0 (sid).  Both need only
 # GLIBC_2.34, so they run on bookworm.  runc comes from bookworm: trixie's needs GLIBC_2.38.
@@ -93,3 +94,53 @@ PATCHELF = Deb(
     "patchelf", "0.14.3-1+b1", "0364b90e81faabbb9569076063952c7bcbf07f83d954a2f2602a163d65be60e6"
 )
 PODMAN_STACK = (PODMAN, CONMON, CONTAINERS_COMMON, CONTAINERS_IMAGE, LIBGPGME, LIBSUBID)
+
+# containerd 2.3.4 (NRI 0.12.0, ttrpc 1.2.8): no Debian suite has containerd >= 2.2, so it comes
+# from the shared runtimes directory (harness/tarballs.py), built from its tagged source with
+# vendored modules; containerd and ctr need only bookworm's libc, the shim is static.
+CONTAINERD_23 = Tarball(
+    "containerd",
+    "containerd-2.3.4-linux-amd64.tar.gz",
+    "fd6e623a4f6e89ad3ded8691dc8941462a064727950ceb42454d20e498705282",
+    files={
+        "bin/containerd": "3ebf0b78a80a76aa549763b61d908caad37bce460b7cd4b21c9e725b517c0a84",
+        "bin/containerd-shim-runc-v2": (
+            "6709add7b545fa924d44831d63431b61c6fd285726a98428d94df0bed4853d7e"
+        ),
+        "bin/ctr": "60175d03ea27eabf80f334e83dac5653a1091d378f63c8d90973a77fe3eb0d68",
+    },
+)
+# Its source (tag v2.3.4): the NRI 0.12.0 schema our api/nri.proto is checked against, and the
+# default validator the fail-closed tests and docs rely on, from its vendor tree.
+NRI_012_VENDOR = "vendor/github.com/containerd/nri"
+CONTAINERD_23_SRC = Tarball(
+    "containerd",
+    "containerd-2.3.4-src.tar.gz",
+    "04d437f718bd820a05466bf8dfcc21f2e9d62c5582bd7d3b5a17edd6c63537f1",
+    files={
+        f"{NRI_012_VENDOR}/pkg/api/api.proto": (
+            "ef3351465898653fdb032d23becedbd25007c3eea426d1a12847964924ab2281"
+        ),
+        f"{NRI_012_VENDOR}/plugins/default-validator/default-validator.go": (
+            "926d885784723b037238ee5842fd446b3a4790bc15bf1a955fc8f292647b479f"
+        ),
+        f"{NRI_012_VENDOR}/pkg/plugin/annotations.go": (
+            "3fd7cea4e73b9b51603648f80dcde3328456b5ace328dba287d17289a5c930f9"
+        ),
+        "vendor/modules.txt": "cb3a2868eb500338ab1b4c742df86c15d8b78c4936222badc8c21a8f7dc972f4",
+    },
+    top="containerd-2.3.4",
+)
+# CRI-O 1.36.3's source: the NRI 0.11.0 schema it vendors (CRI-O >= 1.34 speaks NRI >= 0.10).
+CRIO_136_SRC = Tarball(
+    "cri-o",
+    "cri-o-1.36.3-src.tar.gz",
+    "ba516607443c63ccf4e355ffcb1892b20cfd0e8d011be2c4cd843669f73dcb36",
+    files={
+        "vendor/github.com/containerd/nri/pkg/api/api.proto": (
+            "86806f617e5a68d543d73c9a4c49876ca8e74b82ffac942efc6813d8bb6b978b"
+        ),
+        "vendor/modules.txt": "e4f0f72fbfca285a9a110d790c74d82cbe20525689c3b73eab9fed6097cf7775",
+    },
+    top="cri-o-1.36.3",
+)

@@ -380,9 +380,30 @@ def test_daemon_config_talks_to_the_socket_the_runtime_drop_ins_open() -> None:
     assert settings.nri_socket == NRI_SOCKET
     crio = tomllib.loads(CRIO_NRI.read_text())["crio"]["nri"]
     assert crio["nri_listen"] == NRI_SOCKET
-    for name in ("nri-containerd-1.7.toml", "nri-containerd-2.x.toml"):
+    for name in (
+        "nri-containerd-1.7.toml",
+        "nri-containerd-2.x.toml",
+        "nri-containerd-2.2-fail-closed.toml",
+    ):
         nri = tomllib.loads((PACKAGING / "containerd" / name).read_text())
         assert nri["plugins"]["io.containerd.nri.v1.nri"]["socket_path"] == NRI_SOCKET
+
+
+def test_fail_closed_dropin_requires_this_plugin_and_is_otherwise_the_2x_one() -> None:
+    """Same NRI settings as the fail-open 2.x drop-in it replaces, plus the validator requiring
+    the name the daemon registers with; the DaemonSet's pod tolerates its absence."""
+    containerd = PACKAGING / "containerd"
+    plain = tomllib.loads((containerd / "nri-containerd-2.x.toml").read_text())
+    closed = tomllib.loads((containerd / "nri-containerd-2.2-fail-closed.toml").read_text())
+    assert closed["version"] == plain["version"] == 3
+    nri = dict(closed["plugins"]["io.containerd.nri.v1.nri"])
+    validator = nri.pop("default_validator")
+    assert nri == plain["plugins"]["io.containerd.nri.v1.nri"]
+    assert validator["enable"] is True
+    assert validator["required_plugins"] == [Settings().nri_name]
+    key = validator["tolerate_missing_plugins_annotation"]
+    template = kinds()["DaemonSet"]["spec"]["template"]
+    assert template["metadata"]["annotations"] == {key: "true"}
 
 
 # -- runtime-launched plugin -------------------------------------------------------------------

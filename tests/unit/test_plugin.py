@@ -119,6 +119,42 @@ def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
     assert restarted.state.assignments[ctr.id].cpus == P("1,25")
 
 
+def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
+    plugin, records = node
+    # The fixture's plugin starts from an empty state and so reads the *host's* cgroups for
+    # CPUs pinned by running containers (liveness.pinned_cpus); other containers pinned on
+    # this machine would move the CPUs chosen below.
+    plugin.pinned = CPUSet()
+    pushed = []
+    plugin.stub = type(
+        "Stub", (), {"schedule_update_containers": lambda _, u, done: pushed.extend(u)}
+    )()
+    db = pod("db")
+    postgres, sidecar = container("postgres", db, 2000), container("sidecar", db, 500)
+    plugin.create_container(db, postgres)
+    plugin.create_container(db, sidecar)
+    other = pod("web", "burstable")
+    plugin.create_container(other, container("nginx", other, 500))
+    resized = pb.LinuxResources()
+    resized.cpu.shares.value = 2560  # 2500m requested for the pod ...
+    resized.cpu.quota.value, resized.cpu.period.value = 300000, 100000  # ... 3 CPUs limit
+    plugin.update_pod_sandbox(db, pb.LinuxResources(), resized)
+    # Its own containers (not the other pod's) get their cpusets again, after the reply.
+    assert sorted((u.container_id[:8], u.linux.resources.cpu.cpus) for u in pushed) == [
+        ("postgres", "1,25"),
+        ("sidecar0", "0,2-24,26-47"),
+    ]
+    record = records[-1]
+    assert record["ACTION"] == "pod-update" and record["POD_NAME"] == "db"
+    assert (record["CPU_REQUEST_MILLI"], record["CPU_LIMIT_MILLI"]) == ("2500", "3000")
+    assert "(1 exclusive)" in record["MESSAGE"]
+    pushed.clear()
+    plugin.update_pod_sandbox(pod("unknown"), pb.LinuxResources(), pb.LinuxResources())
+    assert pushed == [] and records[-1]["MESSAGE"].endswith(
+        "limit none): cpusets of its 0 containers kept (0 exclusive)"
+    )
+
+
 def test_stop_gives_cpus_back_to_every_shared_container(node):
     plugin, records = node
     web = pod("web", "besteffort")

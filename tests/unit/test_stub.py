@@ -19,6 +19,7 @@ from nri_cpuplugin.nri.handlers import (
     check_handlers,
     event_mask,
     narrowed_events,
+    runtime_nri,
 )
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.nri.stub import Stub
@@ -113,6 +114,7 @@ def test_handshake_in_either_order(tmp_path, configure_first):
         )
         assert runtime.register_request.plugin_name == "cpuplugin"
         assert runtime.register_request.plugin_idx == "50"
+        assert runtime.register_request.NRI_version == "v0.12.0"
         assert runtime.configure_response.events == 0x60C
         assert plugin.seen[:2] == [("configure", "", "fake", "v0"), ("synchronize", 0, 0)]
         assert stub.request_timeout == 2.0
@@ -401,7 +403,7 @@ def test_narrowed_events_accepts_names_masks_and_none_and_refuses_the_rest():
         ("on_create_container", "did you mean 'create_container'?"),
         ("on_ready", "it matches no handler"),
         ("evict_pod", "it matches no handler"),
-        ("update_pod_sandbox", "an NRI >= 0.10 event this stub does not subscribe to"),
+        ("update_pod_sandboxes", "did you mean 'update_pod_sandbox'?"),
         ("validate_container_adjustment", "an NRI >= 0.10 event this stub does not subscribe"),
     ],
 )
@@ -441,5 +443,137 @@ def test_cpu_plugin_is_not_flagged(tmp_path):
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
     plugin = CPUPlugin(settings, Audit(lambda record: None))
     stub = Stub(plugin, "cpuplugin", "50")
-    # create (4), update (8), stop (10), remove_container (11), remove_pod_sandbox (3)
-    assert stub.events == 0x8 | 0x80 | 0x200 | 0x400 | 0x4
+    # create (4), update (8), stop (10), remove_container (11), remove_pod_sandbox (3),
+    # update_pod_sandbox (12; subscribed only where the runtime's NRI is 0.10 or newer)
+    assert stub.events == 0x8 | 0x80 | 0x200 | 0x400 | 0x4 | 0x800
+
+
+# --- NRI 0.10-0.12: the runtime's version, pod updates, per-event methods ---------------------
+
+
+@pytest.mark.parametrize(
+    ("nri", "runtime", "release", "since_0_10", "version"),
+    [
+        ("v0.12.0", "containerd", "v2.3.4", True, "v0.12.0"),  # said, not inferred
+        ("v0.12.0", "fake", "v0", True, "v0.12.0"),
+        ("v0.9.1-0.20250219030224-e597e7849f24", "cri-o", "1.33.0", False, "v0.9.1-0.2025"),
+        ("", "containerd", "v2.2.0", True, ">= 0.10"),
+        ("", "containerd", "2.2.1+unknown", True, ">= 0.10"),
+        ("", "containerd", "2.1.9+unknown", False, "< 0.10"),
+        ("", "containerd", "1.7.24~ds1", False, "< 0.10"),
+        ("0.0.0-unknown", "containerd", "v2.3.0", True, ">= 0.10"),  # no module data: infer
+        ("(devel)", "cri-o", "1.34.0", True, ">= 0.10"),
+        ("", "cri-o", "1.33.5", False, "< 0.10"),
+        ("", "fake", "v9", False, ""),  # unknown runtime: counted as old
+        ("", "containerd", "", False, ""),
+    ],
+)
+def test_runtime_nri_is_said_or_inferred(nri, runtime, release, since_0_10, version):
+    found = runtime_nri(nri, runtime, release)
+    assert found.since_0_10 is since_0_10
+    assert found.version.startswith(version)
+    assert found.inferred is (version in ("", ">= 0.10", "< 0.10"))
+    assert found.valid_events == (0x3FFF if since_0_10 else 0x7FF)
+
+
+class PodWatcher(Recorder):
+    """Also handles the pod-update events of NRI >= 0.10 and a per-event method."""
+
+    def update_pod_sandbox(self, pod, overhead, resources):
+        self.seen.append(
+            ("update-pod", pod.id, resources.cpu.quota.value, overhead.cpu.shares.value)
+        )
+
+    def post_update_pod_sandbox(self, pod):
+        self.seen.append(("post-update-pod", pod.id))
+
+    def start_container(self, pod, container):
+        self.seen.append(("start", container.id))
+
+
+def pod_update() -> pb.UpdatePodSandboxRequest:
+    request = pb.UpdatePodSandboxRequest(pod=req().pod)
+    request.linux_resources.cpu.quota.value = 150000
+    request.overhead_linux_resources.cpu.shares.value = 10
+    return request
+
+
+@pytest.mark.parametrize(
+    ("said", "runtime", "subscribed"),
+    [
+        ("v0.12.0", ("containerd", "v2.3.4"), 0x60C | 0x20 | 0x800 | 0x1000),
+        ("", ("containerd", "v2.2.1"), 0x60C | 0x20 | 0x800 | 0x1000),
+        ("", ("containerd", "2.1.9+unknown"), 0x60C | 0x20),  # 0x1800 would get us dropped
+    ],
+)
+def test_pod_update_events_only_where_the_runtime_knows_them(tmp_path, said, runtime, subscribed):
+    async def test(path):
+        runtime_, stub, plugin, task = await connected(
+            path, PodWatcher(), runtime=runtime, nri_version=said
+        )
+        assert runtime_.configure_response.events == subscribed
+        assert stub.runtime_nri.since_0_10 is bool(subscribed & 0x800)
+        if subscribed & 0x800:
+            assert (await runtime_.call("UpdatePodSandbox", pod_update())).code == 0
+            post = pb.PostUpdatePodSandboxRequest(pod=req().pod)
+            assert (await runtime_.call("PostUpdatePodSandbox", post)).code == 0
+            assert plugin.seen[-2:] == [
+                ("update-pod", "pod1", 150000, 10),
+                ("post-update-pod", "pod1"),
+            ]
+        await shutdown(runtime_, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_a_plugin_with_only_pod_update_handlers_is_refused_by_an_old_runtime(tmp_path):
+    class OnlyPodUpdates:
+        def update_pod_sandbox(self, pod, overhead, resources):
+            pass
+
+    async def test(path):
+        runtime = FakeRuntime(path, runtime=("containerd", "2.1.9+unknown"))
+        await runtime.start()
+        stub = Stub(OnlyPodUpdates(), "podonly", "50", socket_path=str(path))
+        task = asyncio.create_task(stub.run())
+        while runtime.configure_reply is None:
+            await asyncio.sleep(0.01)
+        # A zero mask would subscribe to everything: the stub answers an error instead.
+        assert runtime.configure_reply.code == 2
+        assert "none of the plugin's events" in runtime.configure_reply.message
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_per_event_methods_and_their_state_change_fallback(tmp_path):
+    async def test(path):
+        runtime = FakeRuntime(path, nri_version="v0.12.0")
+        await runtime.start()
+        plugin = PodWatcher()
+        stub = Stub(
+            plugin, "cpuplugin", "50", socket_path=str(path), unimplemented={"StartContainer"}
+        )
+        task = asyncio.create_task(stub.run())
+        await asyncio.wait_for(runtime.registered.wait(), 5)
+        start = pb.StartContainerRequest(pod=req().pod, container=req(cid="s1").container)
+        # Handled, but answered UNIMPLEMENTED on request: the runtime then sends StateChange.
+        assert (await runtime.call("StartContainer", start)).code == 12
+        event = pb.StateChangeEvent(event=6, pod=start.pod, container=start.container)
+        assert (await runtime.call("StateChange", event)).code == 0
+        removed = pb.RemoveContainerRequest(pod=req().pod, container=req(cid="r1").container)
+        assert (await runtime.call("RemoveContainer", removed)).code == 0
+        pod_removed = pb.RemovePodSandboxRequest(pod=pb.PodSandbox(id="pod7"))
+        assert (await runtime.call("RemovePodSandbox", pod_removed)).code == 0
+        # UPDATE_POD_SANDBOX has no StateChange form: one that arrives anyway is ignored.
+        bogus = pb.StateChangeEvent(event=12, pod=req().pod)
+        assert (await runtime.call("StateChange", bogus)).code == 0
+        assert plugin.seen[-3:] == [("start", "s1"), ("remove", "r1"), ("remove-pod", "pod7")]
+        await shutdown(runtime, stub, task)
+
+    run(test, tmp_path)
+
+
+def test_only_per_event_methods_can_be_unimplemented():
+    with pytest.raises(ValueError, match=r"unimplemented=\['CreateContainer'\]"):
+        Stub(Recorder(), "x", "10", unimplemented=["CreateContainer"])

@@ -21,6 +21,9 @@ class Event(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POST_UPDATE_CONTAINER: _ClassVar[Event]
     STOP_CONTAINER: _ClassVar[Event]
     REMOVE_CONTAINER: _ClassVar[Event]
+    UPDATE_POD_SANDBOX: _ClassVar[Event]
+    POST_UPDATE_POD_SANDBOX: _ClassVar[Event]
+    VALIDATE_CONTAINER_ADJUSTMENT: _ClassVar[Event]
     LAST: _ClassVar[Event]
 
 class ContainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -42,6 +45,9 @@ UPDATE_CONTAINER: Event
 POST_UPDATE_CONTAINER: Event
 STOP_CONTAINER: Event
 REMOVE_CONTAINER: Event
+UPDATE_POD_SANDBOX: Event
+POST_UPDATE_POD_SANDBOX: Event
+VALIDATE_CONTAINER_ADJUSTMENT: Event
 LAST: Event
 CONTAINER_UNKNOWN: ContainerState
 CONTAINER_CREATED: ContainerState
@@ -50,12 +56,14 @@ CONTAINER_RUNNING: ContainerState
 CONTAINER_STOPPED: ContainerState
 
 class RegisterPluginRequest(_message.Message):
-    __slots__ = ("plugin_name", "plugin_idx")
+    __slots__ = ("plugin_name", "plugin_idx", "NRI_version")
     PLUGIN_NAME_FIELD_NUMBER: _ClassVar[int]
     PLUGIN_IDX_FIELD_NUMBER: _ClassVar[int]
+    NRI_VERSION_FIELD_NUMBER: _ClassVar[int]
     plugin_name: str
     plugin_idx: str
-    def __init__(self, plugin_name: _Optional[str] = ..., plugin_idx: _Optional[str] = ...) -> None: ...
+    NRI_version: str
+    def __init__(self, plugin_name: _Optional[str] = ..., plugin_idx: _Optional[str] = ..., NRI_version: _Optional[str] = ...) -> None: ...
 
 class UpdateContainersRequest(_message.Message):
     __slots__ = ("update", "evict")
@@ -72,18 +80,20 @@ class UpdateContainersResponse(_message.Message):
     def __init__(self, failed: _Optional[_Iterable[_Union[ContainerUpdate, _Mapping]]] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("config", "runtime_name", "runtime_version", "registration_timeout", "request_timeout")
+    __slots__ = ("config", "runtime_name", "runtime_version", "registration_timeout", "request_timeout", "NRI_version")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_NAME_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    NRI_VERSION_FIELD_NUMBER: _ClassVar[int]
     config: str
     runtime_name: str
     runtime_version: str
     registration_timeout: int
     request_timeout: int
-    def __init__(self, config: _Optional[str] = ..., runtime_name: _Optional[str] = ..., runtime_version: _Optional[str] = ..., registration_timeout: _Optional[int] = ..., request_timeout: _Optional[int] = ...) -> None: ...
+    NRI_version: str
+    def __init__(self, config: _Optional[str] = ..., runtime_name: _Optional[str] = ..., runtime_version: _Optional[str] = ..., registration_timeout: _Optional[int] = ..., request_timeout: _Optional[int] = ..., NRI_version: _Optional[str] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("events",)
@@ -168,6 +178,120 @@ class StateChangeEvent(_message.Message):
     pod: PodSandbox
     container: Container
     def __init__(self, event: _Optional[_Union[Event, str]] = ..., pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class RunPodSandboxRequest(_message.Message):
+    __slots__ = ("pod",)
+    POD_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ...) -> None: ...
+
+class RunPodSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopPodSandboxRequest(_message.Message):
+    __slots__ = ("pod",)
+    POD_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ...) -> None: ...
+
+class StopPodSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemovePodSandboxRequest(_message.Message):
+    __slots__ = ("pod",)
+    POD_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ...) -> None: ...
+
+class RemovePodSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PostUpdatePodSandboxRequest(_message.Message):
+    __slots__ = ("pod",)
+    POD_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ...) -> None: ...
+
+class PostUpdatePodSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PostCreateContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: Container
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class PostCreateContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: Container
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class StartContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PostStartContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: Container
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class PostStartContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PostUpdateContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: Container
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class PostUpdateContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: Container
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
+
+class RemoveContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdatePodSandboxRequest(_message.Message):
+    __slots__ = ("pod", "overhead_linux_resources", "linux_resources")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_LINUX_RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    LINUX_RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    overhead_linux_resources: LinuxResources
+    linux_resources: LinuxResources
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., overhead_linux_resources: _Optional[_Union[LinuxResources, _Mapping]] = ..., linux_resources: _Optional[_Union[LinuxResources, _Mapping]] = ...) -> None: ...
+
+class UpdatePodSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
