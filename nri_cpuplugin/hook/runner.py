@@ -30,18 +30,19 @@ from types import MappingProxyType
 from ..base.files import FileError
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, LiveContainer, Loaded, Outcome, Target
+from ..core.engine import Engine, LiveContainer, Loaded, Outcome
 from ..core.events import DEBUG, NOTICE, WARNING
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.workload import Workload, millicores_from_shares
 from ..hardware import cgroupfs
-from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups, Transaction
+from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups
 from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage import owner
 from ..storage.store import Expected, StateStore
 from . import oci
+from .apply import apply_targets
 from .records import Record, Records
 from .topology_cache import cached_topology
 
@@ -226,7 +227,9 @@ class Hook:
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
             try:
-                writes = self._apply(fs, engine, state, targets, view.requested, workload)
+                writes = apply_targets(
+                    fs, engine, state, targets, view.requested, workload, self._fault
+                )
             except CgroupError as err:
                 if placed and durable and state != view.observed.state:
                     # Every write was undone: the state must not claim the decision either.
@@ -373,62 +376,6 @@ class Hook:
             stale.append(cid)
         return live, requested, stale, evicted
 
-    def _apply(
-        self,
-        fs: CgroupFS,
-        engine: Engine,
-        state: NodeState,
-        targets: Mapping[str, Record],
-        requested: Mapping[str, CPUSet],
-        current: Workload | None,
-    ) -> list[str]:
-        """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
-        then CPUs given, the new container last.  One transaction: all or nothing.  Returns
-        one line per cgroup written."""
-        plan: list[tuple[Record, Target]] = []
-        for cid, record in targets.items():
-            if cid not in state.assignments and cid not in state.sharing:
-                continue
-            target = engine.target(state, cid)
-            # Shared containers already on the pool, the usual case, need no write.
-            if target.exclusive or target.quota is not None or requested.get(cid) != target.cpus:
-                plan.append((record, target))
-        current_id = current.container_id if current is not None else None
-        others = [p for p in plan if p[1].container_id != current_id]
-        mine = [p for p in plan if p[1].container_id == current_id]
-        # CPUs are taken away before they are given, so no CPU is ever in more places than
-        # it already was.
-        others.sort(
-            key=lambda p: (
-                not (requested.get(p[1].container_id, CPUSet()) - p[1].cpus),
-                p[1].container_id,
-            )
-        )
-        written: list[str] = []
-        tx = Transaction(fs)
-        for step in (others, mine):
-            for record, target in step:
-                cid = target.container_id
-                try:
-                    if _place(tx, record, target):
-                        written.append(f"{cid[:12]}={target.cpus}")
-                except CgroupError as err:
-                    # A sibling exiting right now must not fail this container (as the NRI
-                    # path's ignore_failure); the next run finds it stale.
-                    if cid != current_id and not _still_running(fs, record):
-                        continue
-                    undone = len(tx.done)
-                    failed = tx.rollback()
-                    message = f"{err}; rolled back {undone} earlier cgroup writes"
-                    if failed:
-                        message += f", {len(failed)} of which failed: {'; '.join(failed)}"
-                    raise CgroupError(message) from None
-            if step is others:
-                self._fault("shared-written")
-            elif current is not None:
-                self._fault("container-written")
-        return written
-
     # --- hardware awareness -----------------------------------------------------------------
 
     def _nic_locality(
@@ -567,18 +514,6 @@ class Hook:
         )
 
 
-def _place(tx: Transaction, record: Record, target: Target) -> bool:
-    """Write the cpuset, and the CFS quota when the target sets one."""
-    changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, target.cpus, target.mems)
-    quota = target.quota
-    if quota is not None and record.cgroups.cpu is not None:
-        if quota < 0:
-            changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
-        else:
-            changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
-    return changed
-
-
 def _shares(fs: CgroupFS, record: Record) -> int | None:
     """The cpu.shares of the container's cgroup now; None when it cannot be read."""
     if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
@@ -599,13 +534,6 @@ def _evicted(fs: CgroupFS, record: Record) -> bool:
     if not fs.exists("cpuset", record.cgroups.cpuset):
         return False
     return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
-
-
-def _still_running(fs: CgroupFS, record: Record) -> bool:
-    try:
-        return fs.populated(record.cgroups.cpuset)
-    except CgroupError:
-        return False
 
 
 def _check_container_cgroup(path: str, cid: str, pid: int) -> None:

@@ -1,0 +1,90 @@
+"""The hook's cgroup writes: every live container's cpuset (and quota) brought in line with the
+committed state, as one transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from ..core.cpuset import CPUSet
+from ..core.engine import CFS_PERIOD_US, Engine, Target
+from ..core.state import NodeState
+from ..core.workload import Workload
+from ..hardware import cgroupfs
+from ..hardware.cgroupfs import CgroupError, CgroupFS, Transaction
+from .records import Record
+
+
+def apply_targets(
+    fs: CgroupFS,
+    engine: Engine,
+    state: NodeState,
+    targets: Mapping[str, Record],
+    requested: Mapping[str, CPUSet],
+    current: Workload | None,
+    fault: Callable[[str], None],
+) -> list[str]:
+    """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
+    then CPUs given, the new container last.  One transaction: all or nothing.  Returns
+    one line per cgroup written."""
+    plan: list[tuple[Record, Target]] = []
+    for cid, record in targets.items():
+        if cid not in state.assignments and cid not in state.sharing:
+            continue
+        target = engine.target(state, cid)
+        # Shared containers already on the pool, the usual case, need no write.
+        if target.exclusive or target.quota is not None or requested.get(cid) != target.cpus:
+            plan.append((record, target))
+    current_id = current.container_id if current is not None else None
+    others = [p for p in plan if p[1].container_id != current_id]
+    mine = [p for p in plan if p[1].container_id == current_id]
+    # CPUs are taken away before they are given, so no CPU is ever in more places than
+    # it already was.
+    others.sort(
+        key=lambda p: (
+            not (requested.get(p[1].container_id, CPUSet()) - p[1].cpus),
+            p[1].container_id,
+        )
+    )
+    written: list[str] = []
+    tx = Transaction(fs)
+    for step in (others, mine):
+        for record, target in step:
+            cid = target.container_id
+            try:
+                if _place(tx, record, target):
+                    written.append(f"{cid[:12]}={target.cpus}")
+            except CgroupError as err:
+                # A sibling exiting right now must not fail this container (as the NRI
+                # path's ignore_failure); the next run finds it stale.
+                if cid != current_id and not _still_running(fs, record):
+                    continue
+                undone = len(tx.done)
+                failed = tx.rollback()
+                message = f"{err}; rolled back {undone} earlier cgroup writes"
+                if failed:
+                    message += f", {len(failed)} of which failed: {'; '.join(failed)}"
+                raise CgroupError(message) from None
+        if step is others:
+            fault("shared-written")
+        elif current is not None:
+            fault("container-written")
+    return written
+
+
+def _place(tx: Transaction, record: Record, target: Target) -> bool:
+    """Write the cpuset, and the CFS quota when the target sets one."""
+    changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, target.cpus, target.mems)
+    quota = target.quota
+    if quota is not None and record.cgroups.cpu is not None:
+        if quota < 0:
+            changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+        else:
+            changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
+    return changed
+
+
+def _still_running(fs: CgroupFS, record: Record) -> bool:
+    try:
+        return fs.populated(record.cgroups.cpuset)
+    except CgroupError:
+        return False
