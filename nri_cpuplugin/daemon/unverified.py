@@ -22,6 +22,8 @@ log = logging.getLogger("nri_cpuplugin")
 # Containers known only from the state file are checked this many at a time, this often
 # (a check reads one or two cgroup files).
 SWEEP_INTERVAL, SWEEP_BATCH = 2.0, 32
+# ... and the CPUs pinned by containers a lost state named are looked for every this many sweeps.
+PINNED_EVERY = 5
 
 
 class UnverifiedContainers:
@@ -115,7 +117,10 @@ class UnverifiedContainers:
         self._sweeping = False
         if self.state is None:
             return
-        if self.pinned:  # containers pinned before the state was lost may have ended
+        # Containers pinned before the state was lost may have ended.  The scan walks every pod
+        # cgroup (tens of milliseconds on a large node, on the event loop): not every sweep.
+        self._sweeps = getattr(self, "_sweeps", 0) + 1
+        if self.pinned and self._sweeps % PINNED_EVERY == 0:
             self._learn_pinned()
         if not self.unverified and not self.pinned:
             return
