@@ -82,6 +82,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # does not know yet (see _write_followers).
         self._spec_lags: set[str] = set()
         self._sweeping = False
+        self._sweeps = 0
         self._swept_to = ""  # the last container id the sweep checked
         # The claim on the state directory that makes an OCI hook on this node stand aside
         # (storage/owner.py): (state directory, open descriptor holding the flock).

@@ -41,6 +41,7 @@ class UnverifiedContainers:
     audit: Any
     liveness: Any
     _sweeping: bool
+    _sweeps: int
     _swept_to: str
 
     def _forget_ended(self, exclusive_only: bool = False, limit: int | None = None) -> Outcome:
@@ -119,7 +120,7 @@ class UnverifiedContainers:
             return
         # Containers pinned before the state was lost may have ended.  The scan walks every pod
         # cgroup (tens of milliseconds on a large node, on the event loop): not every sweep.
-        self._sweeps = getattr(self, "_sweeps", 0) + 1
+        self._sweeps += 1
         if self.pinned and self._sweeps % PINNED_EVERY == 0:
             self._learn_pinned()
         if not self.unverified and not self.pinned:
