@@ -177,7 +177,7 @@ def _update_pod_sandbox_resources(crio: Crio, pod_id: str, cpu_milli: int) -> No
         assert call(request, timeout=10) == b""
 
 
-def test_update_pod_sandbox_never_reaches_our_plugins(
+def test_update_pod_sandbox_reaches_our_plugins_and_changes_no_pinning(
     crio: Crio, recorder: Recorder, tmp_path: Path
 ) -> None:
     cri = crio.cri()
@@ -190,10 +190,12 @@ def test_update_pod_sandbox_never_reaches_our_plugins(
         since = crio.log_size()
         _update_pod_sandbox_resources(crio, pod.id, 2000)
         crio.wait_log("UpdatePodSandboxResourcesResponse", since=since)
-        # Neither plugin subscribed to UPDATE_POD_SANDBOX (event 12; the stub subscribes to
-        # events 1-11 only), so NRI 0.11 called neither; both are still connected.
-        assert "UpdatePodSandbox" not in recorder.methods()
+        # NRI 0.11 knows UPDATE_POD_SANDBOX (event 12): the stub subscribes to it for runtimes
+        # whose NRI is 0.10 or newer, so it is delivered; both plugins answer and stay
+        # connected, and the daemon re-asserts the pod's cpusets (ACTION=pod-update).
+        assert "UpdatePodSandbox" in recorder.methods()
         assert recorder.proc.poll() is None and daemon.proc.poll() is None
+        assert daemon.records("pod-update")
         assert check_agreement(daemon, cri) == {"p": "1"}
         pod2 = cri.run("after", [ContainerSpec("s", cpu_request_milli=100, memory="32Mi")])
         assert host.cpus_allowed_list(cri.inspect(pod2["s"]).pid) == "0"
