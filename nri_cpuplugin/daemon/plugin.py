@@ -76,7 +76,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # load): the next Synchronize repairs the cgroups before the runtime applies updates.
         self._cgroups_stale = False
         # After the state was lost, until the runtime lists its containers: CPUs that running
-        # Guaranteed containers are alone on (liveness.pinned_cpus), never handed out.
+        # Guaranteed containers look pinned to (liveness.pinned_cpus), never handed out.
         self.pinned = CPUSet()
         # Containers whose cpuset was written directly and which the runtime's stored spec
         # does not know yet (see _write_followers).
