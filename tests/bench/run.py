@@ -396,7 +396,8 @@ def section_hardware(quick: bool) -> list[str]:
 def section_density(quick: bool) -> list[str]:
     counts = (0, 8) if quick else (0, 8, 32, 100)
     rounds = 6 if quick else 20
-    results = [bench_dense_create(version, n, rounds) for version in ("1.7", "2.1") for n in counts]
+    versions = sorted(CONTAINERD_RELEASES, key=lambda v: tuple(map(int, v.split("."))))
+    results = [bench_dense_create(version, n, rounds) for version in versions for n in counts]
     plot = ROOT / "docs" / "dense-node-create.png"
     plot_density(results, plot)
     lines = [
