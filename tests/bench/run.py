@@ -442,8 +442,8 @@ def section_crio(quick: bool) -> list[str]:
         f"{report['rounds']} measured rounds each after 3 warm-up rounds; the container is "
         "stopped and removed between rounds. With *n* shared (Burstable) containers running "
         "beside it, pinning moves each of them off the new exclusive CPU in the same step: the "
-        "hook writes their cgroups itself, the daemon's reply has CRI-O update each one "
-        "(`runc update`) before CreateContainer returns.",
+        "hook writes their cgroups itself, and so does the daemon, before it replies (what it "
+        "cannot write, it leaves to CRI-O's `runc update`).",
         "",
         "| shared containers | side | median | p99 | vs no pinning (median) |",
         "|---|---|---|---|---|",
