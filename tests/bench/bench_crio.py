@@ -27,8 +27,8 @@ def bench_crio_exclusive_start(rounds: int = 30, shared: tuple[int, ...] = (0, 3
     """CRI CreateContainer + StartContainer of a Guaranteed 1-CPU container on CRI-O: no
     pinning vs the OCI hook vs the NRI daemon, with ``n`` shared (Burstable) containers
     running beside it for each ``n`` in ``shared``.  Pinning moves every one of them off the
-    new exclusive CPU in the same step: the hook writes their cgroups itself, the daemon has
-    CRI-O apply one update per container (``runc update``) before the create returns."""
+    new exclusive CPU in the same step: the hook and the daemon write their cgroups themselves
+    before the create returns."""
     report: dict = {"rounds": rounds}
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -74,8 +74,9 @@ def bench_create_latency(rounds: int = 60) -> dict:
 def bench_exclusive_start_latency(rounds: int = 40, neighbour: bool = True) -> dict:
     """CRI CreateContainer + StartContainer of a Guaranteed 1-CPU container with the CPU plugin
     vs no plugin.  With ``neighbour``, a shared-pool container runs beside it, which the plugin
-    moves off the new exclusive CPU in the same step (containerd runs ``runc update`` on it:
-    the price of having no window) - the node without the plugin does nothing of the kind."""
+    moves off the new exclusive CPU in the same step (the daemon writes its cgroup before it
+    replies: the price of having no window) - the node without the plugin does nothing of the
+    kind."""
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         plain = stack.enter_context(Containerd("2.1", debug=False))
         pinned = stack.enter_context(Containerd("2.1", debug=False))

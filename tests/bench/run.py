@@ -243,9 +243,9 @@ def section_plugin(quick: bool) -> list[str]:
         "",
         f"Median ratio, no other container: **{alone['median_ratio']:.3f}**; with one shared "
         f"neighbour: **{beside['median_ratio']:.3f}** (goal <= 1.10). With a neighbour the "
-        "plugin's reply makes containerd run `runc update` on it before CreateContainer "
-        "returns: that is the cost of closing kubelet's reconcile window, which the node "
-        "without a plugin does not pay (and does not close).",
+        "daemon writes the neighbour's cgroup before CreateContainer returns: that is the cost "
+        "of closing kubelet's reconcile window, which the node without a plugin does not pay "
+        "(and does not close).",
         "",
         "### Noisy neighbour",
         "",
