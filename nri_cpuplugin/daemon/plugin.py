@@ -122,8 +122,10 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             loaded = self.engine.load(result.state, result.problem, result.quarantined)
             if loaded.set_aside:
                 self.store.set_aside()
-            self.state = result.state  # what is on disk: _commit writes only a change
-            self._commit(Outcome(loaded.state))
+            if loaded.state == result.state:  # nothing changed: nothing written (a full disk)
+                self.state = loaded.state
+            else:
+                self._commit(Outcome(loaded.state))
         self.audit.emit(loaded.events)
         state = self.state
         self.unverified = set(state.assignments) | set(state.sharing)
@@ -166,8 +168,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         always be derived again - unless ``durable``: an exclusive assignment that a crash
         could forget must not be handed out, so the error goes to the caller."""
         new_state = outcome.state
-        if new_state == self.state:
-            self.state = new_state
+        # The engine returns the very state it was given when nothing changed.
+        if new_state is self.state:
             return outcome
         try:
             timing = self.store.commit(new_state)

@@ -207,7 +207,7 @@ class Hook:
                     self.records.write(dir_fd, record)
                 if placed:
                     targets[workload.container_id] = Record(
-                        workload, cgroups, _shares(fs, Record(workload, cgroups))
+                        workload, cgroups, _shares(fs, cgroups.cpu)
                     )
                     self.records.write(dir_fd, targets[workload.container_id])
                     self._fault("recorded")
@@ -332,7 +332,7 @@ class Hook:
         changed: dict[str, Record] = {}
         for container in live:
             record = records[container.workload.container_id]
-            shares = _shares(fs, record)
+            shares = _shares(fs, record.cgroups.cpu)
             if shares is None or record.shares is None or shares == record.shares:
                 continue
             request = millicores_from_shares(shares)
@@ -514,14 +514,14 @@ class Hook:
         )
 
 
-def _shares(fs: CgroupFS, record: Record) -> int | None:
-    """The cpu.shares of the container's cgroup now; None when it cannot be read."""
-    if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
+def _shares(fs: CgroupFS, cpu_cgroup: str | None) -> int | None:
+    """The cpu.shares of a container's cpu cgroup now; None when it cannot be read."""
+    if fs.layout.version != cgroupfs.V1 or cpu_cgroup is None:
         # cgroup v2's cpu.weight is kubelet's shares squeezed into 1-10000: it cannot give
         # the request back exactly, and a wrong guess would move a container.  Not caught.
         return None
     try:
-        return int(fs.read("cpu", record.cgroups.cpu, "cpu.shares"))
+        return int(fs.read("cpu", cpu_cgroup, "cpu.shares"))
     except (CgroupError, ValueError):
         return None
 

@@ -37,6 +37,7 @@ from . import debs, host, image, shortpaths, tarballs
 from .cri import CRIClient, CRIError
 from .debs import Deb
 from .packages import CONTAINERD_17, CONTAINERD_21, CONTAINERD_23, RUNC
+from .runtime_process import RuntimeProcess
 from .tarballs import Tarball
 
 # The instance kinds, by minor version; each is one pinned build (RELEASES: its full version,
@@ -114,7 +115,7 @@ def _toml(table: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> str:
     return out
 
 
-class Containerd:
+class Containerd(RuntimeProcess):
     """One private containerd.  ``with Containerd("2.1") as ctrd:`` starts it and guarantees
     teardown; ``ctrd.cri()`` is the CRI client.
 
@@ -412,49 +413,6 @@ class Containerd:
                     f"{self.log_tail()}"
                 )
             time.sleep(0.05)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM containerd by pid, SIGKILL after ``timeout``.  Shims and containers keep
-        running, as with a real containerd restart."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._release_process()
-
-    def kill(self) -> None:
-        """SIGKILL containerd (a crash); shims and containers survive."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._release_process()
-
-    def restart(self, timeout: float | None = None) -> None:
-        """Stop and start again on the same root and state; running containers survive."""
-        self.stop()
-        self.start(timeout)
-
-    def _release_process(self) -> None:
-        self._proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def cri(self) -> CRIClient:
-        """The CRI client for this runtime (one object, reconnected across restarts)."""
-        if self._cri is None:
-            self._cri = CRIClient(
-                self.address,
-                top_cgroup=self.top_cgroup,
-                log_root=self.dir / "logs",
-                lab=self.lab,
-            )
-        return self._cri
 
     def import_images(self, tar: Path | None = None) -> None:
         """Import the lab images (or ``tar``) into the CRI namespace with the snapshotter CRI

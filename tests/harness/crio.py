@@ -66,6 +66,7 @@ from .containerd import (
 )
 from .cri import CRIClient, CRIError
 from .packages import CONMON, RUNC
+from .runtime_process import RuntimeProcess
 
 VERSION = "1.36.3"
 NRI_VERSION = "0.11.0"
@@ -230,7 +231,7 @@ def prepare(lab: Path = debs.LAB) -> None:
     oci_layout(lab)
 
 
-class Crio:
+class Crio(RuntimeProcess):
     """One private CRI-O.  ``with Crio() as crio:`` starts it and guarantees teardown;
     ``crio.cri()`` is the CRI client (the same one the containerd tests use).
 
@@ -556,46 +557,6 @@ class Crio:
                     f"{self.log_tail()}"
                 )
             time.sleep(0.05)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM CRI-O by pid, SIGKILL after ``timeout``.  conmon and the containers keep
-        running, as with a real CRI-O restart."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._release_process()
-
-    def kill(self) -> None:
-        """SIGKILL CRI-O (a crash); conmon and the containers survive."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._release_process()
-
-    def restart(self, timeout: float | None = None) -> None:
-        """Stop and start again on the same storage and runroot; running containers survive."""
-        self.stop()
-        self.start(timeout)
-
-    def _release_process(self) -> None:
-        self._proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def cri(self) -> CRIClient:
-        """The CRI client for this runtime (one object, reconnected across restarts)."""
-        if self._cri is None:
-            self._cri = CRIClient(
-                self.address, top_cgroup=self.top_cgroup, log_root=self.dir / "logs", lab=self.lab
-            )
-        return self._cri
 
     def _log_lines(self) -> list[str]:
         try:
