@@ -480,7 +480,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
                 cpusets.Target(t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems)
                 for t in direct
             ]
-            failed = set(cpusets.apply(layout, writes, self.proc, repair=False).failed)
+            failed = set(cpusets.move(layout, writes).failed)
             runtime += [t for t in direct if t.container_id in failed]
             self._spec_lags.update(t.container_id for t in direct if t.container_id not in failed)
         return runtime

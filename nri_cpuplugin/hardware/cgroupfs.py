@@ -289,6 +289,17 @@ class CgroupFS:
             raise CgroupError(f"cannot list {os.path.join(root, *parts)}: {err.strerror}") from None
         return [join((*parts, name)) for name in names]
 
+    def subdirectories(self, path: str) -> bool:
+        """Whether cgroups are nested below ``path``: a directory's link count is 2 plus its
+        subdirectories (kernfs keeps it so, as do ordinary filesystems), one fstat of the
+        descriptor already open instead of listing the directory."""
+        root = self.root("cpuset")
+        parts = split_path(path)
+        try:
+            return os.fstat(self._dir(root, parts)).st_nlink > 2
+        except OSError as err:
+            raise CgroupError(f"cgroup {os.path.join(root, *parts)}: {err.strerror}") from None
+
     def subtree(self, controller: str, path: str) -> list[str]:
         """``path`` and its descendants, parents before children."""
         out = [path]

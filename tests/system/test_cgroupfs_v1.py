@@ -131,3 +131,60 @@ def test_read_proc_cgroup_of_a_process_in_a_container(box: CgroupSandbox) -> Non
     assert got == cgroupfs.ContainerCgroups(ctr, ctr)
     with pytest.raises(CgroupError, match="does not exist"):
         cgroupfs.read_proc_cgroup(2**22 + 1, cgroupfs.detect())
+
+
+# --- moving the shared pool (cpusets.move) -----------------------------------------------------
+
+
+def test_move_shrinks_and_grows_leaves_and_what_nests_below(box: CgroupSandbox) -> None:
+    """Leaves take one write each; a container with a cgroup nested below it, or below a pod
+    narrowed by hand, goes through the general path - and every task ends where it should."""
+    from nri_cpuplugin.hardware import cpusets
+
+    leaf = f"{box.top}/kubepods/burstable/pa/ctr"
+    nested = f"{box.top}/kubepods/burstable/pb/ctr"
+    narrowed_pod = f"{box.top}/kubepods/burstable/pc"
+    narrowed = f"{narrowed_pod}/ctr"
+    for path in (leaf, f"{nested}/inner", narrowed):
+        box.make_cgroup(path)
+    procs = {
+        "leaf": _spawn_in(box, leaf),
+        "nested": _spawn_in(box, f"{nested}/inner"),
+        "narrowed": _spawn_in(box, narrowed),
+    }
+    # The narrowed pod lacks the last CPU: growing its container must grow the pod first.
+    _write(box.cpuset_dir(narrowed), "cpuset.cpus", "0")
+    _write(box.cpuset_dir(narrowed_pod), "cpuset.cpus", "0")
+    layout = cgroupfs.detect()
+
+    def move(cpus: str) -> cpusets.Applied:
+        targets = [
+            cpusets.Target(name * 8, path, C(cpus))
+            for name, path in (("leaf", leaf), ("nested", nested), ("narrowed", narrowed))
+        ]
+        return cpusets.move(layout, targets)
+
+    assert move(LAST) == cpusets.Applied([], [], {})
+    assert {name: host.cpus_allowed_list(p.pid) for name, p in procs.items()} == {
+        "leaf": LAST, "nested": LAST, "narrowed": LAST,
+    }  # fmt: skip
+    assert _read(box.cpuset_dir(narrowed_pod), "cpuset.cpus") == str(C("0") | C(LAST))
+    everything = str(C(f"0-{LAST}"))
+    assert move(everything) == cpusets.Applied([], [], {})
+    assert {name: host.cpus_allowed_list(p.pid) for name, p in procs.items()} == {
+        "leaf": everything, "nested": everything, "narrowed": everything,
+    }  # fmt: skip
+
+
+def test_move_reports_a_container_whose_cgroup_is_gone(box: CgroupSandbox) -> None:
+    from nri_cpuplugin.hardware import cpusets
+
+    there = f"{box.top}/kubepods/pd/ctr"
+    box.make_cgroup(there)
+    targets = [
+        cpusets.Target("gone" * 16, f"{box.top}/kubepods/pd/exited", C("0")),
+        cpusets.Target("there" * 12, there, C("0")),
+    ]
+    applied = cpusets.move(cgroupfs.detect(), targets)
+    assert applied.failed == ["gone" * 16]
+    assert _read(box.cpuset_dir(there), "cpuset.cpus") == "0"

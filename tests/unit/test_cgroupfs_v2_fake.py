@@ -189,3 +189,33 @@ def test_root_cgroup_and_empty_sets_are_refused(fake: FakeV2) -> None:
 def test_detect_refuses_a_root_without_cpuset(tmp_path: Path) -> None:
     with pytest.raises(CgroupError, match="no cpuset controller"):
         cgroupfs.detect(str(tmp_path))
+
+
+# --- moving the shared pool (cpusets.move) -----------------------------------------------------
+
+
+def test_move_writes_a_leaf_once_and_checks_what_the_kernel_applied(fake: FakeV2) -> None:
+    from nri_cpuplugin.hardware import cpusets
+
+    fake.mk("kubepods")
+    fake.mk("kubepods/pod1")
+    fake.mk("kubepods/pod1/ctr", cpus="0-3", effective="0,2-3")  # what the kernel would apply
+    layout = cgroupfs.detect(str(fake.root))
+    applied = cpusets.move(layout, [cpusets.Target("a" * 64, "/kubepods/pod1/ctr", C("0,2-3"))])
+    assert applied.failed == [] and applied.errors == []
+    assert fake.read("kubepods/pod1/ctr", "cpuset.cpus") == "0,2-3"
+
+
+def test_move_reports_a_set_the_kernel_did_not_apply(fake: FakeV2) -> None:
+    """An ancestor that does not offer the CPUs: v2 accepts the write and applies less.  The
+    general path finds that out too and restores the old value: the container is reported
+    as failed (the daemon then leaves it to the runtime)."""
+    from nri_cpuplugin.hardware import cpusets
+
+    fake.mk("kubepods", cpus="0-1")
+    fake.mk("kubepods/ctr", cpus="0-1", effective="0-1")
+    layout = cgroupfs.detect(str(fake.root))
+    applied = cpusets.move(layout, [cpusets.Target("b" * 64, "/kubepods/ctr", C("3"))])
+    assert applied.failed == ["b" * 64]
+    assert "kernel applied" in applied.errors[0]
+    assert fake.read("kubepods/ctr", "cpuset.cpus") == "0-1"
