@@ -78,9 +78,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # After the state was lost, until the runtime lists its containers: CPUs that running
         # Guaranteed containers look pinned to (liveness.pinned_cpus), never handed out.
         self.pinned = CPUSet()
-        # Containers whose cpuset was written directly and which the runtime's stored spec
-        # does not know yet (see _write_followers).
-        self._spec_lags: set[str] = set()
         self._sweeping = False
         self._sweeps = 0
         self._swept_to = ""  # the last container id the sweep checked
@@ -256,17 +253,18 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         pods = list(pods)
         by_id = {pod.id: pod for pod in pods}
         live = []
+        specs: dict[str, pb.Container] = {}
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None or container.state not in LIVE_STATES:
                 continue
             live.append(LiveContainer(from_nri(pod, container), _cpus(container)))
+            specs[container.id] = container
         with self.store.locked():
             outcome = self._commit(
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
             )
         self.unverified.clear()
-        self._spec_lags.clear()  # every live container's cpuset is in this reply
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
         self.audit.record(
@@ -280,7 +278,18 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             # these updates (ancestors lack the returning CPUs), so write them first.
             self._cgroups_stale = False
             self._repair_cgroups([c.workload.container_id for c in live])
-        return [self._update(t) for t in outcome.targets]
+        # The reply carries only what the runtime's stored specs do not say already (each
+        # update costs the runtime one `runc update`, run one after another): on a dense node,
+        # the shared containers moved by direct writes while they ran.  The others are written
+        # directly where they can be, in case a crash came between a commit and our writes;
+        # where they cannot, the runtime applied that spec itself.
+        lagging = []
+        agreeing = []
+        for target in outcome.targets:
+            agrees = _spec_agrees(specs[target.container_id], target)
+            (agreeing if agrees else lagging).append(target)
+        self._write_followers(agreeing)
+        return [self._update(t) for t in lagging]
 
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
@@ -338,7 +347,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # No shares, or 0 (CRI's "leave as it is"): not a change of the CPU request.
         if not resources.cpu.shares.value:
             outcome = self.engine.update(self.state, container.id)
-            self._spec_lags.discard(container.id)  # its cpuset is in this reply
             return [self._update(t, ignore_failure=False) for t in outcome.targets]
         updated = pb.Container()
         updated.CopyFrom(container)
@@ -364,7 +372,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         with self.store.locked():
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
-        self._spec_lags.discard(container.id)
         followers = [t for t in outcome.targets if t.container_id != container.id]
         return [self._update(t) for t in self._write_followers(followers)]
 
@@ -454,15 +461,16 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
 
     def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
         """Move the shared pool's followers by writing their cgroups directly, before the
-        reply leaves: a flat cost, where each update in a reply costs the runtime one
-        ``runc update``, run one after another, holding up every other pod start.  Returns the
+        reply leaves: one file write per container, where each update in a reply costs the
+        runtime one ``runc update``, run one after another, holding up every other pod start.
+        Returns the
         targets the runtime must apply after all: no cgroup path, a CFS quota to set
         (degraded containers), the systemd cgroup driver (systemd re-applies a unit's
         AllowedCPUs on daemon-reload, so its runtime must know), or a failed write.
 
-        The runtime's stored spec of a container written here lags behind (``_spec_lags``)
-        until our reply to its next event, or the next Synchronize, carries its cpuset:
-        docs/architecture.md, "Shared containers on dense nodes"."""
+        The runtime's stored spec of a container written here lags behind until our reply to
+        its next event, or the next Synchronize, carries its cpuset: docs/architecture.md,
+        "Shared containers on dense nodes"."""
         direct, runtime = [], []
         for target in targets:
             path = self.state.cgroups.get(target.container_id, "")
@@ -482,7 +490,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             ]
             failed = set(cpusets.move(layout, writes).failed)
             runtime += [t for t in direct if t.container_id in failed]
-            self._spec_lags.update(t.container_id for t in direct if t.container_id not in failed)
         return runtime
 
     def _push(self, targets: Iterable[Target]) -> None:
@@ -510,6 +517,16 @@ def _fill(cpu: pb.LinuxCPU, target: Target) -> None:
         cpu.quota.value = target.quota
         if target.quota >= 0:
             cpu.period.value = CFS_PERIOD_US
+
+
+def _spec_agrees(container: pb.Container, target: Target) -> bool:
+    """Whether the runtime's stored spec of the container already says what ``target`` does."""
+    cpu = container.linux.resources.cpu
+    if _cpus(container) != target.cpus:
+        return False
+    if target.mems is not None and cpu.mems.strip() != str(target.mems):
+        return False
+    return target.quota is None or (cpu.HasField("quota") and cpu.quota.value == target.quota)
 
 
 def _cpus(container: pb.Container) -> CPUSet:

@@ -259,3 +259,28 @@ def test_dense_node_siblings_are_written_directly_and_reasserted(containerd, cri
     assert host.cpus_allowed_list(pids[3]) == "0"
     assert cri.inspect(shared[3]).spec["linux"]["resources"]["cpu"]["cpus"] == "0"
     check_agreement(daemon, cri)
+
+
+def test_lagging_specs_converge_at_the_next_synchronize(containerd, cri, daemon):
+    """The runtime's stored specs of shared containers moved by direct writes lag behind until
+    the next Synchronize (a daemon restart here), whose reply carries them: after it, what the
+    runtime would re-apply for every sibling is what runs."""
+    before = [cri.run(f"b{i}", [burstable(f"w{i}")])[f"w{i}"] for i in range(4)]
+    pod_id = cri.run_pod(PodSpec("exclusive", qos="guaranteed"))
+    cri.start(cri.create_container(pod_id, guaranteed("pinned")))
+    after = cri.run("late", [burstable("late")])["late"]
+
+    def spec_cpus(cid: str) -> str:
+        return cri.inspect(cid).spec["linux"]["resources"]["cpu"]["cpus"]
+
+    assert [spec_cpus(c) for c in before] == [ALL] * 4 and spec_cpus(after) == "0"
+    daemon.stop()
+    daemon.start()  # waits for the Synchronize; the runtime applies the reply after it
+    wait_for(
+        "the runtime to apply the Synchronize reply",
+        lambda: [spec_cpus(c) for c in [*before, after]] == ["0"] * 5,
+        10,
+    )
+    pids = [cri.inspect(cid).pid for cid in [*before, after]]
+    assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 5
+    check_agreement(daemon, cri)

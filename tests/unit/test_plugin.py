@@ -202,6 +202,25 @@ def test_synchronize_rebuilds_and_returns_updates_for_everyone(node):
     assert any("adopted 7,31" in n for n in notes) and "synchronize" in records.actions()
 
 
+def test_synchronize_leaves_out_what_the_runtime_says_already(node):
+    """Each update in a reply costs the runtime one `runc update`: a shared container whose
+    stored spec already names the shared pool is not in the reply (a dense node reconnecting
+    would otherwise pay for every container); one whose spec lags behind is."""
+    plugin, _ = node
+    db, web = pod("db"), pod("web", "burstable")
+    plugin.create_container(db, container("pinned", db, 1000))
+    pool = plugin.state.shared
+    containers = [
+        container("pinned", db, 1000, cpus=str(plugin.state.exclusive)),
+        container("current", web, 250, cpus=str(pool)),
+        container("lagging", web, 250, cpus="0-47"),
+    ]
+    updates = plugin.synchronize([db, web], containers)
+    got = {u.container_id[:7] for u in updates}
+    assert "lagging" in got and "current" not in got
+    assert {cpu_of(u)[0] for u in updates if u.container_id.startswith("lagging")} == {str(pool)}
+
+
 def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
     plugin, _ = node
     state_file = tmp_path / "state" / "state.json"
