@@ -32,12 +32,14 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         stack.callback(daemon.stop)
         runtimes = {"plugin": pinned, "none": plain}
         shared_pids = []
+        shared_ids: list[str] = []
         for side, runtime in runtimes.items():
             cri = runtime.cri()
             for i in range(running):
                 pod = cri.run(f"shared{i}", [ContainerSpec(f"s{i}", cpu_request_milli=100)])
                 if side == "plugin":
                     shared_pids.append(cri.inspect(pod[f"s{i}"]).pid)
+                    shared_ids.append(pod[f"s{i}"])
         pods = {
             side: runtime.cri().run_pod(PodSpec("pinned", qos="guaranteed"))
             for side, runtime in runtimes.items()
@@ -60,6 +62,7 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
                 if i >= 2:  # the first rounds warm caches on both sides
                     create[side].append(created - began)
                     start[side].append(started - began)
+        converge = _convergence(runtimes["plugin"], daemon, pods["plugin"], shared_ids)
     return {
         "version": version,
         "running": running,
@@ -68,7 +71,33 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         "create_ratio": _ratio(create["plugin"], create["none"]),
         "create_start_ratio": _ratio(start["plugin"], start["none"]),
         "window_open": window_open,
+        "converge_s": converge,
     }
+
+
+def _convergence(runtime: Containerd, daemon: Daemon, pod: str, shared: list[str]) -> float:
+    """Seconds from a daemon restart until the runtime's stored spec of every shared container
+    moved by direct writes (an exclusive container runs) names the shared pool again: the
+    Synchronize reply carries those containers, one `runc update` each."""
+    cri = runtime.cri()
+    cid = cri.create_container(pod, ContainerSpec.guaranteed("converge", 1))
+    cri.start(cid)
+    daemon.stop()
+    began = time.perf_counter()
+    daemon.start(wait=False)
+    deadline = began + 120
+    pending = list(shared)
+    while pending:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{len(pending)} stored specs still lag after 120 s")
+        pending = [c for c in pending if cri.inspect(c).spec["linux"]["resources"]["cpu"]
+                   ["cpus"] != "0"]  # fmt: skip
+        if pending:
+            time.sleep(0.01)
+    took = time.perf_counter() - began
+    cri.stop(cid, timeout=0)
+    cri.remove(cid)
+    return took
 
 
 def plot_density(results: list[dict], out: Path) -> None:
