@@ -337,6 +337,44 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
                 "not-durable",
             ) from None
 
+    def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        """The runtime has created the container's cgroup from its stored spec; its first
+        instruction has not run yet.  A shared container whose CreateContainer was answered
+        just before another container's exclusive allocation was created with the old pool,
+        and no write could reach it then (it had no cgroup yet; the runtime may even have
+        taken the update into its spec after the cgroup was made from the old one): its cgroup
+        is read, and written if it says anything else, so it never runs on the exclusive CPUs.
+        One read for every other container."""
+        [*targets] = self.engine.update(self.state, container.id).targets
+        if not targets:
+            return
+        live = self._live_cpus(container.id)
+        created = _cpus(container) if live is None else live
+        if created != targets[0].cpus:
+            self.audit.record(
+                "share",
+                f"{pod.namespace}/{pod.name}/{container.name} was created with CPUs "
+                f"{created or 'unknown'}; the shared pool moved meanwhile: starting it "
+                f"on {targets[0].cpus}",
+                audit_mod.INFO,
+                container_id=container.id,
+                cpus=targets[0].cpus,
+                reason="pool moved during creation",
+            )
+            self._write_followers(targets)
+
+    def _live_cpus(self, cid: str) -> CPUSet | None:
+        """What the container's cgroup says it runs on; None when that cannot be read."""
+        path = self.state.cgroups.get(cid, "")
+        if not path:
+            return None
+        try:
+            layout = cgroupfs.detect(self.liveness.root)
+            with cgroupfs.CgroupFS(layout) as fs:
+                return fs.cpus(cpusets.cgroup_path(path))
+        except cgroupfs.CgroupError:
+            return None
+
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:

@@ -261,6 +261,52 @@ def test_dense_node_siblings_are_written_directly_and_reasserted(containerd, cri
     check_agreement(daemon, cri)
 
 
+def _start_at_once(cri, specs: list[tuple[str, list[ContainerSpec]]]) -> dict:
+    """Each pod (RunPodSandbox, CreateContainer, StartContainer) in its own thread, released
+    together, as kubelet's pod workers do; raises the first failure once all are done."""
+    import threading
+
+    started: dict[str, object] = {}
+    errors: list[BaseException] = []
+    gate = threading.Barrier(len(specs))
+
+    def one(name: str, containers: list[ContainerSpec]) -> None:
+        gate.wait()
+        try:
+            started[name] = cri.run(name, containers)
+        except BaseException as err:  # reported after every thread is done
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=spec) for spec in specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return started
+
+
+def test_pods_started_at_once_never_leave_a_shared_container_on_the_exclusive_cpu(
+    containerd, cri, daemon
+):
+    """kubelet starts pods in parallel: a shared container answered with the pool of one moment
+    may be created (no cgroup yet, so no write reaches it) while an exclusive allocation
+    shrinks the pool.  It is moved at its StartContainer, before its first instruction: once
+    every start has returned, no shared container may run on the exclusive CPU."""
+    for burst in range(3):
+        specs = [(f"x{burst}", [guaranteed("x")])]
+        specs += [(f"s{burst}-{k}", [burstable("s")]) for k in range(7)]
+        started = _start_at_once(cri, specs)
+        placed = {
+            name: host.cpus_allowed_list(cri.inspect(pod[name[0]]).pid)
+            for name, pod in started.items()
+        }
+        assert placed == {name: "1" if name.startswith("x") else "0" for name in placed}
+        check_agreement(daemon, cri)
+        cri.remove_all()
+
+
 def test_lagging_specs_converge_at_the_next_synchronize(containerd, cri, daemon):
     """The runtime's stored specs of shared containers moved by direct writes lag behind until
     the next Synchronize (a daemon restart here), whose reply carries them: after it, what the
