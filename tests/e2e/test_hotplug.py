@@ -12,61 +12,30 @@ step the state file, the live cgroups and the kernel's ``Cpus_allowed_list`` mus
 
 Taking a CPU offline affects everything on the machine, so CPU 1 is back online before each
 test returns, whatever happened (``cpu_offline`` restores it in ``finally``; a session-scoped
-fixture and an atexit hook are the safety nets).
+fixture and an atexit hook are the safety nets: e2e/cpu_hotplug.py).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from harness import host
 from harness.k8s import ContainerSpec
 
+from e2e.cpu_hotplug import check_hotpluggable, cpu_offline, restore_cpu
 from e2e.daemon import REPO, Daemon, check_agreement, wait_for
-
-CPU = 1
-ONLINE_FILE = Path(f"/sys/devices/system/cpu/cpu{CPU}/online")
-
-
-def set_online(value: bool) -> None:
-    ONLINE_FILE.write_text("1" if value else "0")
-
-
-def restore_cpu() -> None:
-    """Bring the CPU back if it is offline (idempotent; never raises)."""
-    with contextlib.suppress(OSError):
-        if ONLINE_FILE.read_text().strip() != "1":
-            set_online(True)
-
-
-atexit.register(restore_cpu)  # even if the test process is torn down mid-test
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _cpu_restored_at_session_end() -> Iterator[None]:
-    if not ONLINE_FILE.exists():
-        pytest.fail(f"{ONLINE_FILE} missing: CPU {CPU} is not hot-pluggable on this machine")
-    if host.online_cpus() != [0, 1]:
-        pytest.fail(f"expected CPUs 0-1 online before the test, found {host.online_cpus()}")
+    check_hotpluggable()
     yield
     restore_cpu()
-
-
-@contextlib.contextmanager
-def cpu_offline() -> Iterator[None]:
-    set_online(False)
-    try:
-        yield
-    finally:
-        restore_cpu()
 
 
 def guaranteed(name: str) -> ContainerSpec:
