@@ -37,6 +37,7 @@ class HotplugEvents:
     _push: Any
 
     hotplug: Any
+    returned: Any
     engine: Any
     state: Any
     store: Any
@@ -110,6 +111,7 @@ class HotplugEvents:
         self.engine = engine
         went = old.topology.online - topology.online
         came = topology.online - old.topology.online
+        self.returned |= came  # see CPUPlugin._grow_pod_cgroup
         self.audit.record(
             "hotplug",
             f"{what}: online CPUs {old.topology.online} -> {topology.online}",

@@ -89,6 +89,9 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
+        # CPUs that came back online while we ran (all online CPUs after a change while we
+        # were down): cgroup v1 gave them to no cgroup made while they were offline.
+        self.returned = CPUSet()
         self._sweeping = False
         self._sweeps = 0
         self._swept_to = ""  # the last container id the sweep checked
@@ -144,6 +147,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             # Synchronize), and again at Synchronize for those only the runtime knows.
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
+            self.returned = self.policy.topology.online
 
     def _claim_state_dir(self) -> None:
         """Hold the daemon's claim on the state directory for as long as this process runs
@@ -309,6 +313,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             self.metrics.pinning_request()
         self.audit.emit(outcome.events)
         mine, *siblings = outcome.targets
+        if mine.cpus & self.returned:
+            self._grow_pod_cgroup(mine)
         adjust = pb.ContainerAdjustment()
         _fill(adjust.linux.resources.cpu, mine)
         updates = [self._update(t) for t in self._write_followers(siblings)]
@@ -469,6 +475,22 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         _fill(update.linux.resources.cpu, target)
         return update
+
+    def _grow_pod_cgroup(self, target: Target) -> None:
+        """Give the new container's ancestors (its pod's cgroup above all) the CPUs it gets.
+        cgroup v1 gives a CPU that comes back online to no cpuset, and a pod cgroup made while
+        it was offline lacks it for good: the runtime could then never start a container of
+        that pod on it (EACCES writing the container's cpuset).  Only for CPUs that came back
+        (``returned``), so creations pay nothing otherwise; a no-op on cgroup v2."""
+        path = self.state.cgroups.get(target.container_id, "")
+        if not path:
+            return
+        try:
+            layout = cgroupfs.detect(self.liveness.root)
+        except cgroupfs.CgroupError:
+            return
+        errors = cpusets.grow_ancestors(layout, [path], target.cpus)
+        self.audit.emit(cpusets.repair_events({}, errors))
 
     def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
         """Move the shared pool's followers by writing their cgroups directly (cpuset, and the

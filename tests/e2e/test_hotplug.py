@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 from harness import host
-from harness.k8s import ContainerSpec
+from harness.k8s import ContainerSpec, PodSpec
 
 from e2e.cpu_hotplug import check_hotpluggable, cpu_offline, restore_cpu
 from e2e.daemon import REPO, Daemon, check_agreement, wait_for
@@ -152,4 +152,24 @@ def test_a_change_while_the_daemon_was_down_is_repaired_at_its_start(containerd,
         )
         assert live(cri, s)[0::2] == ("0", "0")
     wait_for("CPU 1 to return to p", lambda: live(cri, p) == ("1", p_cgroup, "1"))
+    assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}
+
+
+def test_a_pod_made_while_the_cpu_was_offline_can_use_it_once_it_returns(containerd, cri, daemon):
+    """cgroup v1 gives a returning CPU back to no cpuset, and a pod cgroup made while the CPU
+    was offline holds only the CPUs online then.  A container created in it after the CPU
+    returned must still start on it - exclusive, and shared on the regrown pool."""
+    with cpu_offline():
+        wait_for(
+            "the daemon to follow CPU 1 going offline", lambda: daemon.state()["shared"] == "0"
+        )
+        late = cri.run_pod(PodSpec("late", qos="guaranteed"))
+        shared_late = cri.run_pod(PodSpec("shared-late", qos="burstable"))
+    wait_for("the daemon to follow CPU 1 coming back", lambda: daemon.state()["shared"] == "0-1")
+    s = cri.create_container(shared_late, burstable("s"))
+    cri.start(s)
+    assert live(cri, s)[0::2] == ("0-1", "0-1")
+    p = cri.create_container(late, guaranteed("p"))
+    cri.start(p)
+    assert live(cri, p)[0::2] == ("1", "1")
     assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}
