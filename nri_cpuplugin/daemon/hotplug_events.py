@@ -1,7 +1,8 @@
 """The NRI daemon's CPU hotplug handling (a part of CPUPlugin, kept apart for size): kernel
-uevents re-discover the topology, the engine follows the new online set, cgroups are repaired
-directly (cgroup v1 never gives a CPU back by itself) and the runtime is told through
-unsolicited UpdateContainers, never from inside an NRI event handler."""
+uevents re-discover the topology, the engine follows the new online set, and cgroups are
+repaired directly (cgroup v1 never gives a CPU back by itself), CFS quotas of degraded and
+restored containers included.  The runtime learns of the changes from our next replies, never
+from an unsolicited UpdateContainers (CPUPlugin._push says why)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class HotplugEvents:
     _push: Any
 
     hotplug: Any
+    returned: Any
     engine: Any
     state: Any
     store: Any
@@ -109,6 +111,7 @@ class HotplugEvents:
         self.engine = engine
         went = old.topology.online - topology.online
         came = topology.online - old.topology.online
+        self.returned |= came  # see CPUPlugin._grow_pod_cgroup
         self.audit.record(
             "hotplug",
             f"{what}: online CPUs {old.topology.online} -> {topology.online}",
@@ -133,15 +136,16 @@ class HotplugEvents:
             containers=len(changed),
             shared_cpus=self.state.shared,
         )
-        self._push(outcome.targets)
+        self._push(outcome.targets, "CPU hotplug")
         emptied = [cid for cid in changed if StaticPolicy.cpuset_for(before, cid) <= went]
         if went and emptied:
             self._schedule_eviction_rechecks(emptied)
 
     def _repair_cgroups(self, cids: Iterable[str], grow: CPUSet | None = None) -> list[str]:
-        """Write the cpusets of these containers directly (see cpusets.apply), after giving
-        ``grow`` (CPUs that came online; None: every online CPU) back to the ancestors of all
-        tracked containers on cgroup v1, where the kernel never restores them."""
+        """Write the cpusets (and CFS quotas) of these containers directly (see
+        cpusets.apply), after giving ``grow`` (CPUs that came online; None: every online CPU)
+        back to the ancestors of all tracked containers on cgroup v1, where the kernel never
+        restores them."""
         state = self.state
         try:
             layout = cgroupfs.detect(self.liveness.root)
@@ -159,7 +163,7 @@ class HotplugEvents:
             if not path:
                 continue  # the runtime's update is all we can do
             target = self.engine.target(state, cid)
-            targets.append(cpusets.Target(cid, path, target.cpus, target.mems))
+            targets.append(cpusets.Target(cid, path, target.cpus, target.mems, target.quota))
         returned: dict[str, int] = {}
         if targets and layout is not None:
             applied = cpusets.apply(layout, targets, self.proc)

@@ -1,19 +1,24 @@
 """The NRI front end: runtime events -> engine outcomes -> committed state -> NRI replies.
 
 Every decision is committed to the state file *before* the reply leaves, so a crash can lose
-a reply but never a decision; and every reply that moves CPUs carries the updates for all
-shared-pool containers, so there is no instant at which a shared container may run on a CPU
-that was just made exclusive (kubelet leaves that window open for up to 10 s).
+a reply but never a decision; and every event that moves CPUs moves all shared-pool
+containers before its reply leaves (written directly, or as updates in the reply), so there is
+no instant at which a shared container may run on a CPU that was just made exclusive (kubelet
+leaves that window open for up to 10 s).
+
+The runtime is never sent an unsolicited UpdateContainers: on every containerd with an NRI
+before 0.12.1 it can deadlock the runtime for good (docs/architecture.md, "Changes outside
+event replies").  What changes outside an event is written directly, and what cannot be is
+carried by the next reply that can carry updates (``_push``, ``_carry_owed``).
 
 Two kinds of hardware awareness live here too:
 
 * NIC locality: for an exclusive candidate in a pod with its own network namespace, the NUMA
   nodes of its interfaces (nic.py) steer its CPUs; inspected before the lock, audited.
 * CPU hotplug: kernel uevents (hotplug.py) re-discover the topology and let the policy follow
-  the online set (replacement, degraded, return); cgroups are repaired directly (cgroup v1
-  never gives a CPU back by itself) and the runtime is told through unsolicited
-  UpdateContainers, never from inside an NRI event handler.  The state file records the
-  online fingerprint: a change while nothing ran is repaired in place at the next start.
+  the online set (replacement, degraded, return); cgroups are written directly (cgroup v1
+  never gives a CPU back by itself), cpusets and CFS quotas alike.  The state file records
+  the online fingerprint: a change while nothing ran is repaired in place at the next start.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         self.file_settings = settings
         self.flags = dict(flags)
         self.audit = audit
-        self.stub: Any = None  # set by whoever runs the stub; needed for unsolicited updates
+        self.stub: Any = None  # set by whoever runs the stub
         self.state: NodeState | None = None
         self.metrics: Any = NoMetrics()
         self._metrics_server: Any = None
@@ -78,6 +83,12 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # After the state was lost, until the runtime lists its containers: CPUs that running
         # Guaranteed containers look pinned to (liveness.pinned_cpus), never handed out.
         self.pinned = CPUSet()
+        # Containers whose target the runtime must apply itself (no direct write possible)
+        # after a change outside any event: carried by the next reply that can (see _push).
+        self._owed: set[str] = set()
+        # CPUs that came back online while we ran (all online CPUs after a change while we
+        # were down): cgroup v1 gave them to no cgroup made while they were offline.
+        self.returned = CPUSet()
         self._sweeping = False
         self._sweeps = 0
         self._swept_to = ""  # the last container id the sweep checked
@@ -133,6 +144,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             # Synchronize), and again at Synchronize for those only the runtime knows.
             self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
             self._cgroups_stale = True
+            self.returned = self.policy.topology.online
 
     def _claim_state_dir(self) -> None:
         """Hold the daemon's claim on the state directory for as long as this process runs
@@ -265,6 +277,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
             )
         self.unverified.clear()
+        owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
         self.audit.record(
@@ -282,11 +295,12 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # update costs the runtime one `runc update`, run one after another): on a dense node,
         # the shared containers moved by direct writes while they ran.  The others are written
         # directly where they can be, in case a crash came between a commit and our writes;
-        # where they cannot, the runtime applied that spec itself.
+        # where they cannot, the runtime applied that spec itself - unless it is owed.
         lagging = []
         agreeing = []
         for target in outcome.targets:
-            agrees = _spec_agrees(specs[target.container_id], target)
+            cid = target.container_id
+            agrees = cid not in owed and _spec_agrees(specs[cid], target)
             (agreeing if agrees else lagging).append(target)
         self._write_followers(agreeing)
         return [self._update(t) for t in lagging]
@@ -309,9 +323,13 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             self.metrics.pinning_request()
         self.audit.emit(outcome.events)
         mine, *siblings = outcome.targets
+        if mine.cpus & self.returned:
+            self._grow_pod_cgroup(mine)
         adjust = pb.ContainerAdjustment()
         _fill(adjust.linux.resources.cpu, mine)
-        return adjust, [self._update(t) for t in self._write_followers(siblings)]
+        updates = [self._update(t) for t in self._write_followers(siblings)]
+        # The container being created must not be listed: the runtime refuses that.
+        return adjust, updates + self._carry_owed(t.container_id for t in outcome.targets)
 
     def _create(self, workload: Workload, locality: nic.Locality | None) -> Outcome:
         """Decide and commit (the caller holds the lock).  When there is no room, containers
@@ -361,7 +379,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
                 cpus=targets[0].cpus,
                 reason="pool moved during creation",
             )
-            self._write_followers(targets)
+            # What cannot be written (systemd driver) goes with the next reply that can carry it.
+            self._owed |= {t.container_id for t in self._write_followers(targets)}
 
     def _live_cpus(self, cid: str) -> CPUSet | None:
         """What the container's cgroup says it runs on; None when that cannot be read."""
@@ -385,7 +404,10 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         # No shares, or 0 (CRI's "leave as it is"): not a change of the CPU request.
         if not resources.cpu.shares.value:
             outcome = self.engine.update(self.state, container.id)
-            return [self._update(t, ignore_failure=False) for t in outcome.targets]
+            # The owed updates of other containers first: the runtime applies the entry for
+            # the container being updated last, in place of the CRI request (nri-wire §11.3).
+            owed = self._carry_owed([container.id])
+            return owed + [self._update(t, ignore_failure=False) for t in outcome.targets]
         updated = pb.Container()
         updated.CopyFrom(container)
         updated.linux.resources.CopyFrom(resources)
@@ -400,7 +422,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             self.audit.emit([self.engine.refused(workload, error)])
             raise error from None
         self.audit.emit(outcome.events)
-        return [
+        owed = self._carry_owed([container.id, *(t.container_id for t in outcome.targets)])
+        return owed + [
             self._update(t, ignore_failure=t.container_id != container.id) for t in outcome.targets
         ]
 
@@ -411,7 +434,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
         followers = [t for t in outcome.targets if t.container_id != container.id]
-        return [self._update(t) for t in self._write_followers(followers)]
+        updates = [self._update(t) for t in self._write_followers(followers)]
+        return updates + self._carry_owed([container.id, *(t.container_id for t in followers)])
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
@@ -419,13 +443,13 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         with self.store.locked():
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
-        self._push(outcome.targets)
+        self._push(outcome.targets, "container removed")
 
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         with self.store.locked():
             outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
         self.audit.emit(outcome.events)
-        self._push(outcome.targets)
+        self._push(outcome.targets, "pod removed")
 
     def update_pod_sandbox(
         self, pod: pb.PodSandbox, overhead: pb.LinuxResources, resources: pb.LinuxResources
@@ -433,8 +457,9 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         """A pod's pod-level resources changed (NRI >= 0.10, kubelet's in-place resize of a pod
         with pod-level resources; docs/nri-wire.md §14).  The reply cannot carry updates, and
         kubelet updates each resized container next (UpdateContainer, where we keep our
-        cpusets): here the pod's containers get their current cpusets again, sent right after
-        this reply, so nothing the resize did to the pod's cgroups is left in force.
+        cpusets): here the pod's containers get their current cpusets (and quotas) again,
+        written directly (see _push), so nothing the resize did to their cgroups is left in
+        force.
 
         Hook point: deciding a new exclusive size for a resized pod belongs to the engine
         (core/engine.py); its outcome's targets go out the same way as these."""
@@ -459,7 +484,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             cpu_limit_milli=limit,
             containers=len(targets),
         )
-        self._push(targets)
+        self._push(targets, "pod resized")
 
     def _containers_of(self, pod_uid: str) -> list[str]:
         """The containers we track for a pod: exclusive ones and those in the shared pool."""
@@ -497,13 +522,28 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         _fill(update.linux.resources.cpu, target)
         return update
 
+    def _grow_pod_cgroup(self, target: Target) -> None:
+        """Give the new container's ancestors (its pod's cgroup above all) the CPUs it gets.
+        cgroup v1 gives a CPU that comes back online to no cpuset, and a pod cgroup made while
+        it was offline lacks it for good: the runtime could then never start a container of
+        that pod on it (EACCES writing the container's cpuset).  Only for CPUs that came back
+        (``returned``), so creations pay nothing otherwise; a no-op on cgroup v2."""
+        path = self.state.cgroups.get(target.container_id, "")
+        if not path:
+            return
+        try:
+            layout = cgroupfs.detect(self.liveness.root)
+        except cgroupfs.CgroupError:
+            return
+        errors = cpusets.grow_ancestors(layout, [path], target.cpus)
+        self.audit.emit(cpusets.repair_events({}, errors))
+
     def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
-        """Move the shared pool's followers by writing their cgroups directly, before the
-        reply leaves: one file write per container, where each update in a reply costs the
-        runtime one ``runc update``, run one after another, holding up every other pod start.
-        Returns the
-        targets the runtime must apply after all: no cgroup path, a CFS quota to set
-        (degraded containers), the systemd cgroup driver (systemd re-applies a unit's
+        """Move the shared pool's followers by writing their cgroups directly (cpuset, and the
+        CFS quota of degraded or restored containers), before the reply leaves: one file write
+        per container, where each update in a reply costs the runtime one ``runc update``, run
+        one after another, holding up every other pod start.  Returns the targets the runtime
+        must apply after all: no cgroup path, the systemd cgroup driver (systemd re-applies a unit's
         AllowedCPUs on daemon-reload, so its runtime must know), or a failed write.
 
         The runtime's stored spec of a container written here lags behind until our reply to
@@ -513,7 +553,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
         for target in targets:
             path = self.state.cgroups.get(target.container_id, "")
             systemd = path.count(":") == 2 and not path.startswith("/")
-            if not path or systemd or target.quota is not None:
+            if not path or systemd:
                 runtime.append(target)
             else:
                 direct.append(target)
@@ -523,28 +563,56 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             except cgroupfs.CgroupError:
                 return [*runtime, *direct]
             writes = [
-                cpusets.Target(t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems)
+                cpusets.Target(
+                    t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
+                )
                 for t in direct
             ]
             failed = set(cpusets.move(layout, writes).failed)
             runtime += [t for t in direct if t.container_id in failed]
         return runtime
 
-    def _push(self, targets: Iterable[Target]) -> None:
-        """Tell the runtime about cpusets that changed outside of an event's reply (what could
-        not be written directly)."""
-        updates = [self._update(t) for t in self._write_followers(targets)]
-        if updates and self.stub is not None:
-            self.stub.schedule_update_containers(updates, self._updates_done)
+    def _push(self, targets: Iterable[Target], cause: str) -> None:
+        """Apply targets that changed outside any event's reply (CPU hotplug, a removal, a
+        background check, a pod resize): written directly (see _write_followers); what cannot
+        be is owed to the runtime and carried by the next reply that can carry updates
+        (CreateContainer, UpdateContainer, StopContainer, Synchronize).
 
-    def _updates_done(self, result: Any) -> None:
-        if isinstance(result, BaseException):
-            self.audit.record(
-                "update-failed",
-                f"updating shared containers failed: {result}",
-                audit_mod.WARNING,
-                reason=str(result),
-            )
+        Never an unsolicited UpdateContainers.  The runtime serves it holding NRI's adaptation
+        lock while it waits for its own NRI lock; each CRI event takes the same two locks in
+        the other order.  Any CRI call entering NRI at that moment - UpdateContainerResources,
+        StopPodSandbox, anything - deadlocks containerd for good, on every release before NRI
+        0.12.1 (docs/architecture.md, "Changes outside event replies")."""
+        targets = list(targets)
+        if not targets:
+            return
+        owed = {t.container_id for t in self._write_followers(targets)}
+        self._owed |= owed
+        written = [t.container_id for t in targets if t.container_id not in owed]
+        self.audit.record(
+            "outside-reply",
+            f"{len(targets)} containers changed outside an event reply ({cause}): "
+            f"{len(written)} written directly"
+            + (f", {len(owed)} left for the runtime's next event" if owed else ""),
+            audit_mod.INFO,
+            cause=cause,
+            container_ids=",".join(t.container_id for t in targets),
+            written=len(written),
+            owed=len(owed),
+        )
+
+    def _carry_owed(self, carried: Iterable[str]) -> list[pb.ContainerUpdate]:
+        """The owed updates (see _push) for a reply, as of the current state; ``carried``
+        names the containers this reply already deals with (or must not list).  Each goes out
+        once: a container that ended meanwhile only makes the runtime log a failure."""
+        if not self._owed:
+            return []
+        owed, self._owed = self._owed - set(carried), set()
+        return [
+            self._update(t)
+            for cid in sorted(owed)
+            for t in self.engine.update(self.state, cid).targets
+        ]
 
 
 def _fill(cpu: pb.LinuxCPU, target: Target) -> None:

@@ -131,7 +131,7 @@ class UnverifiedContainers:
         except Exception as err:  # a busy lock or a full disk: try again later
             log.warning("checking unverified containers failed: %s", err)
         else:
-            self._push(outcome.targets)
+            self._push(outcome.targets, "ended unseen")
         if self.unverified or self.pinned:
             self._sweeping = True
             loop.call_later(SWEEP_INTERVAL, self._sweep, loop)

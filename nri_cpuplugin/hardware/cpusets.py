@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
+from ..core.engine import CFS_PERIOD_US
 from ..core.events import WARNING, AuditEvent, event
 from . import cgroupfs
 from .liveness import cgroup_path
@@ -56,12 +57,14 @@ def repair_events(returned: dict[str, int], errors: list[str]) -> list[AuditEven
 
 
 class Target(Value):
-    """A container cgroup to bring to a cpuset."""
+    """A container cgroup to bring to a cpuset (and a CFS quota, when one is given)."""
 
     container_id: str
     runtime_path: str  # the runtime's cgroupsPath (cgroupfs or systemd notation)
     cpus: CPUSet
     mems: CPUSet | None = None
+    # CFS quota in microseconds per CFS_PERIOD_US, -1 for none; None leaves the quota alone.
+    quota: int | None = None
 
 
 class Applied(Value):
@@ -74,9 +77,9 @@ def apply(
     layout: cgroupfs.Layout, targets: Iterable[Target], proc: str = "/proc", repair: bool = True
 ) -> Applied:
     """Write each target's cpuset (ancestors grown top-down first), CPUs taken away before
-    CPUs are given; then, with ``repair`` on cgroup v1, put back tasks the kernel evicted
-    (after CPU hotplug).  One container's failure (it may be exiting) does not stop the
-    others."""
+    CPUs are given, and its CFS quota when it has one (the same transaction: both or
+    neither); then, with ``repair`` on cgroup v1, put back tasks the kernel evicted (after
+    CPU hotplug).  One container's failure (it may be exiting) does not stop the others."""
     errors: list[str] = []
     failed: list[str] = []
     returned: dict[str, int] = {}
@@ -97,6 +100,11 @@ def apply(
             try:
                 with tx:
                     cgroupfs.set_cpuset(tx, path, target.cpus, target.mems)
+                    # The runtime's cgroupfs driver uses one path in every hierarchy.
+                    if target.quota is not None and target.quota < 0:
+                        cgroupfs.lift_quota(tx, path)
+                    elif target.quota is not None:
+                        cgroupfs.limit_quota(tx, path, target.quota, CFS_PERIOD_US)
                 if repair and layout.version == cgroupfs.V1:
                     moved = return_evicted_tasks(fs, path, proc)
                     if moved:
@@ -119,11 +127,11 @@ def move(layout: cgroupfs.Layout, targets: Iterable[Target]) -> Applied:
     cgroup with cgroups nested below it (its directory's link count says so, without listing
     it), a refused write (cgroup v1: an ancestor lacks the CPUs, or a child still uses CPUs
     being removed), a set the kernel did not apply as written (cgroup v2), or a target with
-    memory nodes goes through ``apply``, which handles each of those."""
+    memory nodes or a CFS quota goes through ``apply``, which handles each of those."""
     general: list[Target] = []
     with cgroupfs.CgroupFS(layout) as fs:
         for target in targets:
-            if target.mems or not _write_leaf(fs, target):
+            if target.mems or target.quota is not None or not _write_leaf(fs, target):
                 general.append(target)
     if not general:
         return Applied([], [], {})

@@ -539,10 +539,14 @@ class Stub:
     ) -> list[pb.ContainerUpdate]:
         """Ask the runtime to update containers outside any event; returns the failed ones.
 
-        Refused inside an event handler: the runtime holds its lock for the event we are
-        serving, so waiting here would deadlock until the runtime drops us
-        (containerd/nri#301, docs/nri-wire.md §11.4).  Return updates from the handler instead,
-        or call ``schedule_update_containers``.
+        Refused inside an event handler: the runtime holds its locks for the event we are
+        serving, so waiting here would deadlock until the runtime drops us.  Return updates
+        from the handler instead, or call ``schedule_update_containers``.
+
+        Outside a handler it is no safer on containerd with an NRI before 0.12.1: served while
+        CRI calls enter NRI, it deadlocks the runtime for good (docs/nri-wire.md §11.4).  The
+        CPU plugin daemon never calls it; this is the transport's API for runtimes with the
+        fix.
         """
         if _in_handler.get():
             raise RuntimeError(

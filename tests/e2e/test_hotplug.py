@@ -12,61 +12,30 @@ step the state file, the live cgroups and the kernel's ``Cpus_allowed_list`` mus
 
 Taking a CPU offline affects everything on the machine, so CPU 1 is back online before each
 test returns, whatever happened (``cpu_offline`` restores it in ``finally``; a session-scoped
-fixture and an atexit hook are the safety nets).
+fixture and an atexit hook are the safety nets: e2e/cpu_hotplug.py).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from harness import host
-from harness.k8s import ContainerSpec
+from harness.k8s import ContainerSpec, PodSpec
 
+from e2e.cpu_hotplug import check_hotpluggable, cpu_offline, restore_cpu
 from e2e.daemon import REPO, Daemon, check_agreement, wait_for
-
-CPU = 1
-ONLINE_FILE = Path(f"/sys/devices/system/cpu/cpu{CPU}/online")
-
-
-def set_online(value: bool) -> None:
-    ONLINE_FILE.write_text("1" if value else "0")
-
-
-def restore_cpu() -> None:
-    """Bring the CPU back if it is offline (idempotent; never raises)."""
-    with contextlib.suppress(OSError):
-        if ONLINE_FILE.read_text().strip() != "1":
-            set_online(True)
-
-
-atexit.register(restore_cpu)  # even if the test process is torn down mid-test
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _cpu_restored_at_session_end() -> Iterator[None]:
-    if not ONLINE_FILE.exists():
-        pytest.fail(f"{ONLINE_FILE} missing: CPU {CPU} is not hot-pluggable on this machine")
-    if host.online_cpus() != [0, 1]:
-        pytest.fail(f"expected CPUs 0-1 online before the test, found {host.online_cpus()}")
+    check_hotpluggable()
     yield
     restore_cpu()
-
-
-@contextlib.contextmanager
-def cpu_offline() -> Iterator[None]:
-    set_online(False)
-    try:
-        yield
-    finally:
-        restore_cpu()
 
 
 def guaranteed(name: str) -> ContainerSpec:
@@ -183,4 +152,24 @@ def test_a_change_while_the_daemon_was_down_is_repaired_at_its_start(containerd,
         )
         assert live(cri, s)[0::2] == ("0", "0")
     wait_for("CPU 1 to return to p", lambda: live(cri, p) == ("1", p_cgroup, "1"))
+    assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}
+
+
+def test_a_pod_made_while_the_cpu_was_offline_can_use_it_once_it_returns(containerd, cri, daemon):
+    """cgroup v1 gives a returning CPU back to no cpuset, and a pod cgroup made while the CPU
+    was offline holds only the CPUs online then.  A container created in it after the CPU
+    returned must still start on it - exclusive, and shared on the regrown pool."""
+    with cpu_offline():
+        wait_for(
+            "the daemon to follow CPU 1 going offline", lambda: daemon.state()["shared"] == "0"
+        )
+        late = cri.run_pod(PodSpec("late", qos="guaranteed"))
+        shared_late = cri.run_pod(PodSpec("shared-late", qos="burstable"))
+    wait_for("the daemon to follow CPU 1 coming back", lambda: daemon.state()["shared"] == "0-1")
+    s = cri.create_container(shared_late, burstable("s"))
+    cri.start(s)
+    assert live(cri, s)[0::2] == ("0-1", "0-1")
+    p = cri.create_container(late, guaranteed("p"))
+    cri.start(p)
+    assert live(cri, p)[0::2] == ("1", "1")
     assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}

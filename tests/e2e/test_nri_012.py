@@ -227,7 +227,8 @@ def test_daemon_subscribes_to_pod_updates_and_reasserts_cpusets_on_a_pod_resize(
         cri.update_pod_resources(pod.id, cpu_request_milli=1000, cpu_limit_milli=1000)
         [record] = wait_for("the pod-update record", lambda: daemon.records("pod-update"))
         assert record["POD_NAME"] == "resized" and record["CPU_LIMIT_MILLI"] == "1000"
-        # The reply carries nothing; the daemon's UpdateContainers right after it does.
+        # The reply carries nothing; the daemon writes the cgroups itself (never an
+        # unsolicited UpdateContainers, which can deadlock the runtime).
         wait_for(
             "the pinned cpuset back",
             lambda: host.read_cgroup(path, "cpuset.cpus") == "1",

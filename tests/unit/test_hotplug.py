@@ -1,5 +1,5 @@
 """CPU hotplug in the daemon: real kernel uevents through the asyncio loop, the plugin following
-topology changes of generated sysfs trees (state, unsolicited updates, audit, status), repair
+topology changes of generated sysfs trees (state, what the runtime is told, audit, status), repair
 at start, and the cgroup v1 repairs on this machine's real cgroup hierarchy."""
 
 from __future__ import annotations
@@ -73,11 +73,18 @@ class Records(list):
 
 
 class FakeStub:
+    """Records unsolicited UpdateContainers, which the plugin must never send: they can
+    deadlock the runtime (docs/architecture.md, "Changes outside event replies")."""
+
     def __init__(self) -> None:
         self.sent: list[list[pb.ContainerUpdate]] = []
 
     def schedule_update_containers(self, updates, done=None):
         self.sent.append(list(updates))
+
+    async def update_containers(self, updates, timeout=None):
+        self.sent.append(list(updates))
+        return []
 
 
 class Machine:
@@ -127,7 +134,8 @@ def node(tmp_path):
     asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
     plugin.stop_hotplug()  # events are injected below; real ones would only find no change
     plugin.stub = FakeStub()
-    return machine, plugin, records
+    yield machine, plugin, records
+    assert plugin.stub.sent == [], "an unsolicited UpdateContainers was sent"
 
 
 def event(action: str, cpu: int) -> list[hotplug.CPUEvent]:
@@ -136,6 +144,14 @@ def event(action: str, cpu: int) -> list[hotplug.CPUEvent]:
 
 def cpus_of(update: pb.ContainerUpdate) -> str:
     return update.linux.resources.cpu.cpus
+
+
+def next_reply(plugin: CPUPlugin) -> dict[str, pb.ContainerUpdate]:
+    """The updates the runtime gets with its next event that can carry some: here a
+    StopContainer of a container the plugin does not place.  The generated trees have no
+    cgroups, so every change after hotplug is owed to the runtime (never written directly)."""
+    other = pod("other", "besteffort")
+    return {u.container_id: u for u in plugin.stop_container(other, container("x", other, 0))}
 
 
 def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node, tmp_path):
@@ -151,8 +167,10 @@ def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node
     plugin.cpu_events(event("offline", 7))
     held = plugin.state.assignments[pg]
     assert (held.cpus, held.lost) == (P("1-6"), P("7")) and held.degraded
-    [updates] = plugin.stub.sent
-    assert {u.container_id: cpus_of(u) for u in updates} == {pg: "1-6"}
+    [outside] = records.of("outside-reply")
+    assert (outside["CONTAINER_IDS"], outside["WRITTEN"], outside["OWED"]) == (pg, "0", "1")
+    assert {cid: cpus_of(u) for cid, u in next_reply(plugin).items()} == {pg: "1-6"}
+    assert next_reply(plugin) == {}  # told once
     assert records.of("degraded") and records.of("hotplug")
     assert records.of("hotplug-applied")[-1]["CONTAINERS"] == "1"
 
@@ -164,7 +182,7 @@ def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node
     plugin.cpu_events(event("online", 7))
     held = plugin.state.assignments[pg]
     assert (held.cpus, held.lost) == (P("1-7"), CPUSet())
-    assert {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]} == {pg: "1-7"}
+    assert {cid: cpus_of(u) for cid, u in next_reply(plugin).items()} == {pg: "1-7"}
     assert records.of("cpu-restored")
     assert plugin.state.shared == P("0")
     assert nginx in plugin.state.sharing
@@ -183,17 +201,39 @@ def test_a_container_that_loses_its_only_cpu_runs_shared_and_bounded_meanwhile(n
     plugin.cpu_events(event("offline", 1))
     held = plugin.state.assignments[one]
     assert held.cpus == CPUSet() and held.lost == P("1")
-    [updates] = plugin.stub.sent
-    update = {u.container_id: u for u in updates}[one]
-    cpu = update.linux.resources.cpu
+    updates = next_reply(plugin)
+    cpu = updates[one].linux.resources.cpu
     assert cpu.cpus == "0" and cpu.quota.value == 100000 and cpu.period.value == 100000
-    assert nginx not in {u.container_id for u in updates}  # the pool did not change
+    assert nginx not in updates  # the pool did not change
     # It follows the shared pool like any shared container until its CPU returns.
     assert one in {t.container_id for t in plugin.engine.followers(plugin.state, "")}
     machine.set()
     plugin.cpu_events(event("online", 1))
-    update = {u.container_id: u for u in plugin.stub.sent[-1]}[one]
+    update = next_reply(plugin)[one]
     assert update.linux.resources.cpu.cpus == "1" and update.linux.resources.cpu.quota.value == -1
+
+
+def test_owed_updates_ride_on_the_next_create_and_a_synchronize_settles_them(node):
+    machine, plugin, records = node
+    db = pod("db")
+    plugin.create_container(db, container("one", db, 1000))
+    one = "one".ljust(64, "0")
+    machine.set(offline={1})
+    plugin.cpu_events(event("offline", 1))
+    # The next CreateContainer's reply carries the moved container's update (it had its CPU
+    # replaced) - never one for the container being created, which the runtime would refuse.
+    web = pod("web", "burstable")
+    _adjust, updates = plugin.create_container(web, container("nginx", web, 500))
+    assert [u.container_id for u in updates] == [one] and updates[0].ignore_failure
+    assert cpus_of(updates[0]) == "2"
+    assert next_reply(plugin) == {}  # told once
+    machine.set()
+    plugin.cpu_events(event("online", 1))  # nginx grows onto CPU 1 again: owed too
+    assert records.of("outside-reply")[-1]["OWED"] == "1"
+    # A Synchronize answers with every live container's settings: nothing stays owed.
+    live = [container("one", db, 1000), container("nginx", web, 500)]
+    assert {u.container_id: cpus_of(u) for u in plugin.synchronize([db, web], live)}[one] == "2"
+    assert next_reply(plugin) == {}
 
 
 def test_a_replacement_is_preferred_and_the_returning_cpu_joins_the_shared_pool(node):
@@ -210,18 +250,19 @@ def test_a_replacement_is_preferred_and_the_returning_cpu_joins_the_shared_pool(
     assert held.cpus == P("1,3") and not held.lost  # same NUMA node
     [change] = records.of("cpu-replaced")
     assert "same NUMA node" in change["MESSAGE"]
-    sent = {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]}
+    sent = {cid: cpus_of(u) for cid, u in next_reply(plugin).items()}
     assert sent == {pg: "1,3", nginx: "0,4-7"}
     machine.set()
     plugin.cpu_events(event("online", 2))
     assert plugin.state.shared == P("0,2,4-7")
-    assert {u.container_id: cpus_of(u) for u in plugin.stub.sent[-1]} == {nginx: "0,2,4-7"}
+    assert {cid: cpus_of(u) for cid, u in next_reply(plugin).items()} == {nginx: "0,2,4-7"}
 
 
 def test_events_without_a_change_do_nothing(node):
     _machine, plugin, records = node
     plugin.cpu_events(event("online", 3))
-    assert plugin.stub.sent == [] and records.of("hotplug")[-1]["PRIORITY"] == "7"
+    assert next_reply(plugin) == {} and records.of("hotplug")[-1]["PRIORITY"] == "7"
+    assert not records.of("outside-reply")
 
 
 def test_a_change_while_nothing_ran_is_repaired_at_start_not_refused(node, tmp_path):
@@ -288,6 +329,26 @@ def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
     assert Path(cpuset + container, "cgroup.procs").read_text().split() == [str(pid)]
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Cpus_allowed_list:\t1\n" in status
+
+
+def test_apply_writes_the_quota_with_the_cpuset_and_lifts_it_again(v1_tree):
+    """A degraded container gets its CPU limit back as CFS quota, a restored one loses it:
+    written with the cpuset (the runtime is not asked, see CPUPlugin._push)."""
+    layout, container, _ = v1_tree
+    quota = Path(layout.cpu_root + container, "cpu.cfs_quota_us")
+    assert quota.read_text().strip() == "-1"
+    degraded = cpusets.Target("c" * 64, container, P("0"), None, 100_000)
+    assert cpusets.apply(layout, [degraded], repair=False).errors == []
+    assert quota.read_text().strip() == "100000"
+    assert Path(layout.cpu_root + container, "cpu.cfs_period_us").read_text().strip() == "100000"
+    restored = cpusets.Target("c" * 64, container, P("1"), None, -1)
+    assert cpusets.apply(layout, [restored], repair=False).errors == []
+    assert quota.read_text().strip() == "-1"
+    assert Path(layout.cpuset_root + container, "cpuset.cpus").read_text().strip() == "1"
+    # No quota in the target: the quota is left as it is.
+    quota.write_text("50000")
+    assert cpusets.apply(layout, [cpusets.Target("c" * 64, container, P("0"))]).errors == []
+    assert quota.read_text().strip() == "50000"
 
 
 def test_tasks_of_other_containers_are_left_alone(v1_tree):

@@ -125,7 +125,7 @@ def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     # CPUs pinned by running containers (liveness.pinned_cpus); other containers pinned on
     # this machine would move the CPUs chosen below.
     plugin.pinned = CPUSet()
-    pushed = []
+    pushed = []  # unsolicited UpdateContainers: never sent, they can deadlock the runtime
     plugin.stub = type(
         "Stub", (), {"schedule_update_containers": lambda _, u, done: pushed.extend(u)}
     )()
@@ -139,16 +139,24 @@ def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     resized.cpu.shares.value = 2560  # 2500m requested for the pod ...
     resized.cpu.quota.value, resized.cpu.period.value = 300000, 100000  # ... 3 CPUs limit
     plugin.update_pod_sandbox(db, pb.LinuxResources(), resized)
-    # Its own containers (not the other pod's) get their cpusets again, after the reply.
-    assert sorted((u.container_id[:8], u.linux.resources.cpu.cpus) for u in pushed) == [
-        ("postgres", "1,25"),
-        ("sidecar0", "0,2-24,26-47"),
-    ]
-    record = records[-1]
+    record, outside = records[-2:]
     assert record["ACTION"] == "pod-update" and record["POD_NAME"] == "db"
     assert (record["CPU_REQUEST_MILLI"], record["CPU_LIMIT_MILLI"]) == ("2500", "3000")
     assert "(1 exclusive)" in record["MESSAGE"]
-    pushed.clear()
+    # Its own containers (not the other pod's) get their cpusets again: written directly
+    # where there are cgroups (this generated tree has none), else with the runtime's next
+    # reply that can carry updates - here an UpdateContainer of the other pod's container.
+    assert outside["ACTION"] == "outside-reply" and outside["CAUSE"] == "pod resized"
+    assert (outside["WRITTEN"], outside["OWED"]) == ("0", "2") and pushed == []
+    nginx = container("nginx", other, 500)
+    reply = plugin.update_container(other, nginx, pb.LinuxResources())
+    assert [(u.container_id[:8], u.linux.resources.cpu.cpus) for u in reply] == [
+        ("postgres", "1,25"),
+        ("sidecar0", "0,2-24,26-47"),
+        ("nginx000", "0,2-24,26-47"),  # the container being updated comes last
+    ]
+    assert [u.ignore_failure for u in reply] == [True, True, False]
+    assert len(plugin.update_container(other, nginx, pb.LinuxResources())) == 1  # told once
     plugin.update_pod_sandbox(pod("unknown"), pb.LinuxResources(), pb.LinuxResources())
     assert pushed == [] and records[-1]["MESSAGE"].endswith(
         "limit none): cpusets of its 0 containers kept (0 exclusive)"
