@@ -16,3 +16,20 @@ class PluginError(Exception):
         super().__init__(message)
         if code is not None:
             self.code = code
+
+
+class suppress:  # (lower case: it stands in for contextlib.suppress)
+    """``with suppress(OSError): ...`` - contextlib.suppress for the modules the OCI hook
+    loads: importing contextlib also loads collections and functools, a measurable part of the
+    hook's start-up (tests/system/test_hook_imports.py)."""
+
+    __slots__ = ("exceptions",)
+
+    def __init__(self, *exceptions: type[BaseException]) -> None:
+        self.exceptions = exceptions
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        return kind is not None and issubclass(kind, self.exceptions)

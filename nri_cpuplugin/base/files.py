@@ -19,12 +19,11 @@ hook pays for every import.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
 
-from .errors import PluginError
+from .errors import PluginError, suppress
 
 CHUNK = 1 << 20
 
@@ -151,7 +150,7 @@ def _fsync(fd: int) -> float:
 
 
 def _unlink_quietly(name: str, dir_fd: int | None) -> None:
-    with contextlib.suppress(OSError):
+    with suppress(OSError):
         os.unlink(name, dir_fd=dir_fd)
 
 

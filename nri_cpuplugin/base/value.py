@@ -18,13 +18,15 @@ the hook never loads, keeps its dataclasses):
 - equality and hashing compare the type and every field; ``repr`` shows them;
 - ``__post_init__``, when a class defines it, runs after the fields are set (to check or
   normalise them, with ``object.__setattr__``);
-- ``functools.cached_property`` works (instances have a ``__dict__``).
+- ``cached_property`` (below) caches a derived value per instance, as
+  ``functools.cached_property`` does (which works too: instances have a ``__dict__``).
 """
 
 from __future__ import annotations
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, ClassVar
 
 
@@ -104,3 +106,25 @@ class Value:
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable ({name!r})")
+
+
+class cached_property:  # (lower case: it stands in for functools.cached_property)
+    """``functools.cached_property`` without importing functools, which loads collections: the
+    OCI hook's start-up (tests/system/test_hook_imports.py).  The value computed on first
+    access is stored in the instance's ``__dict__`` under the same name, where later lookups
+    find it first (this is a non-data descriptor), so it costs nothing after that."""
+
+    def __init__(self, func: Callable[[Any], Any]) -> None:
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = self.func(instance)
+        instance.__dict__[self.name] = value
+        return value

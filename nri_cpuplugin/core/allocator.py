@@ -59,14 +59,16 @@ Incompatible combinations are refused as kubelet refuses them.
 
 from __future__ import annotations
 
-from collections import namedtuple
-from collections.abc import Iterable, Sequence
 from itertools import combinations
 from math import comb
 
 from ..base.errors import PluginError
 from .cpuset import CPUSet
 from .topology import Topology
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
 
 FULL_PCPUS_ONLY = "full-pcpus-only"
 DISTRIBUTE_ACROSS_NUMA = "distribute-cpus-across-numa"
@@ -147,13 +149,6 @@ class _Node:
     @property
     def children_are_cores(self) -> bool:
         return bool(self.children) and self.children[0].is_core
-
-
-# Lower is better, field by field (see the module docstring).
-_Score = namedtuple(
-    "_Score",
-    "primary secondary llcs cores shared_threads partial_cores numa_leftover llc_leftover ids",
-)
 
 
 class Allocator:
@@ -330,7 +325,11 @@ class Allocator:
                 return best[1]
         return None
 
-    def _score(self, pick: frozenset[int], avail: frozenset[int]) -> _Score:
+    def _score(self, pick: frozenset[int], avail: frozenset[int]) -> tuple:
+        """The score of a pick, lower is better, field by field (see the module docstring):
+        (primary, secondary, llcs, cores, shared_threads, partial_cores, numa_leftover,
+        llc_leftover, ids).  A plain tuple: a namedtuple would make the OCI hook import
+        collections for it."""
         numa = {self._numa[c] for c in pick}
         sockets = {self._socket[c] for c in pick}
         llcs = {self._llc[c] for c in pick}
@@ -354,7 +353,7 @@ class Allocator:
         if DISTRIBUTE_ACROSS_CORES in self.options:
             # Spreading over cores is the point; do not penalise it.
             spanned = shared_threads = partial = 0
-        return _Score(
+        return (
             first,
             second,
             len(llcs),

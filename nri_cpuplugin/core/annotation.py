@@ -9,9 +9,11 @@ cannot read is an error the pod author sees, never a silent guess.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from .errors import PolicyError
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 DOMAIN = "nri-cpuplugin.io"
 # "false" opts an eligible container out of exclusive CPUs.

@@ -9,13 +9,9 @@ trailing newline of a sysfs file, is tolerated.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
-
-# One element of a cpulist: "N" or "A-B", ASCII decimal digits only (no sign, no spaces).
-# re.ASCII: without it \d also matches other Unicode digits ("٣"), which int() would accept but
-# kubelet, runc and the kernel reject.
-_ELEMENT = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the hook's start-up cost)
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
 
 # Far above any real NR_CPUS (8192 today); stops "0-999999999" from allocating gigabytes.
 MAX_CPU_ID = 1 << 16
@@ -46,14 +42,16 @@ class CPUSet(frozenset[int]):
             return cls()
         cpus: set[int] = set()
         for element in stripped.split(","):
-            match = _ELEMENT.fullmatch(element)
-            if match is None:
+            # One element is "N" or "A-B" (no sign, no spaces).  Not a regular expression: the
+            # hook would import re for this alone.
+            start, dash, end = element.partition("-")
+            if not _digits(start) or (dash and not _digits(end)):
                 raise ValueError(
                     f"invalid cpulist {text!r}: element {element!r} is not N or A-B "
                     "(expected e.g. '0-3,8')"
                 )
-            first = _cpu_id(match.group(1), text)
-            last = _cpu_id(match.group(2), text) if match.group(2) is not None else first
+            first = _cpu_id(start, text)
+            last = _cpu_id(end, text) if dash else first
             if first > last:
                 raise ValueError(f"invalid cpulist {text!r}: range {element!r} is reversed")
             cpus.update(range(first, last + 1))
@@ -123,6 +121,12 @@ def _valid(cpus: Iterable[int]) -> frozenset[int]:
 def _plain(cpus: Iterable[int]) -> frozenset[int] | set[int]:
     """Intersection and difference only remove ids, so any set-like operand will do."""
     return cpus if isinstance(cpus, (set, frozenset)) else frozenset(cpus)
+
+
+def _digits(text: str) -> bool:
+    """ASCII decimal digits only: str.isdigit() alone also takes other Unicode digits ("٣",
+    "²"), which int() may accept but kubelet, runc and the kernel reject."""
+    return text.isascii() and text.isdigit()
 
 
 def _cpu_id(digits: str, text: str) -> int:

@@ -19,8 +19,6 @@ tested with plain values (tests/unit/test_engine.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from ..base.value import Value
 from .cpuset import EMPTY, CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
@@ -30,6 +28,8 @@ from .workload import Workload
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from .follow import Followed
 
 CFS_PERIOD_US = 100_000  # kubelet's CFS period: a degraded container's quota is count * this

@@ -29,8 +29,6 @@ state before any effect is applied.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 from ..base.value import Value
 from . import annotation
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
@@ -39,6 +37,10 @@ from .errors import PolicyError
 from .state import Assignment, NodeState, Released
 from .topology import Topology
 from .workload import GUARANTEED, Workload
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 POLICY_NAME = "static"
 # Remembered stops (for restarts and init containers' CPUs): far more than the containers of a

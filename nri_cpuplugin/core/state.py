@@ -8,8 +8,6 @@ and atomic replacement live in ``store.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import cached_property
 from types import MappingProxyType
 
 from ..base import jsonbytes, shape
@@ -24,11 +22,12 @@ except ImportError:  # pragma: no cover - other versions
         from _sha2 import sha256  # CPython >= 3.12
     except ImportError:
         from hashlib import sha256
-from ..base.value import Value
+from ..base.value import Value, cached_property
 from .cpuset import CPUSet
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any
 
 FORMAT_VERSION = 1

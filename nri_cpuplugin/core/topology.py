@@ -12,11 +12,9 @@ Offline CPUs have no topology directory in sysfs; they are listed with ``online=
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from functools import cached_property
 
 from ..base.errors import PluginError
-from ..base.value import Value
+from ..base.value import Value, cached_property
 from .cpuset import MAX_CPU_ID, CPUSet
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
@@ -94,10 +92,10 @@ class Topology(Value):
 
     # --- groups (online CPUs only) ----------------------------------------------------------
     def _group(self, attr: str) -> dict[int, CPUSet]:
-        groups: dict[int, set[int]] = defaultdict(set)
+        groups: dict[int, set[int]] = {}
         for cpu in self.cpus:
             if cpu.online:
-                groups[getattr(cpu, attr)].add(cpu.id)
+                groups.setdefault(getattr(cpu, attr), set()).add(cpu.id)
         return {key: CPUSet(members) for key, members in sorted(groups.items())}
 
     @cached_property

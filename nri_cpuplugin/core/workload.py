@@ -8,10 +8,13 @@ quota/period.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import MappingProxyType
 
 from ..base.value import Value
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 GUARANTEED = "guaranteed"
 BURSTABLE = "burstable"

@@ -21,11 +21,10 @@ Why it is built this way (docs/cgroups-and-hooks.md §10, §11):
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 
-from ..base.errors import PluginError
+from ..base.errors import PluginError, suppress
 from ..base.value import Value
 from ..core.cpuset import CPUSet
 
@@ -179,7 +178,7 @@ class CgroupFS:
 
     def close(self) -> None:
         for fd in self._dirs.values():
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.close(fd)
         self._dirs.clear()
 

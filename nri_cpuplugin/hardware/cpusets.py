@@ -23,7 +23,6 @@ online CPUs by itself.  Background: docs/cgroups-and-hooks.md §12 (cgroups), §
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
@@ -31,6 +30,10 @@ from ..core.engine import CFS_PERIOD_US
 from ..core.events import WARNING, AuditEvent, event
 from . import cgroupfs
 from .liveness import cgroup_path
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 # Controllers whose cgroup the kernel does not move when it evicts tasks from a cpuset.
 _WITNESSES = ("cpu", "cpu,cpuacct", "cpuacct,cpu", "memory", "pids")

@@ -23,16 +23,14 @@ Host-network pods get no NIC preference unless an annotation names interfaces (o
 Annotations are untrusted: they choose among the CPUs the container is entitled to, never more;
 "strict" only lets a pod fail its own creation rather than run far from its NIC.
 
-socket, threading and ctypes are imported only when a namespace is read: the OCI hook loads
-this module for every exclusive candidate.
+The C cores of socket, threading and ctypes are imported only when a namespace is read: the
+OCI hook loads this module for every exclusive candidate.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-from collections.abc import Iterable, Mapping
 
 from ..base.errors import PluginError
 from ..base.value import Value
@@ -46,6 +44,7 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
     import socket
+    from collections.abc import Iterable, Mapping
     from typing import Any
 
 
@@ -150,8 +149,8 @@ def netns_path(namespaces: Iterable[Any]) -> str | None:
     ``linux.namespaces`` entries (dicts); None for the host network (no such entry, or one
     without a path, which on a container means "a new one the runtime makes")."""
     for ns in namespaces:
-        kind = ns.get("type") if isinstance(ns, Mapping) else getattr(ns, "type", None)
-        path = ns.get("path") if isinstance(ns, Mapping) else getattr(ns, "path", None)
+        kind = ns.get("type") if isinstance(ns, dict) else getattr(ns, "type", None)
+        path = ns.get("path") if isinstance(ns, dict) else getattr(ns, "path", None)
         if kind == NETWORK and isinstance(path, str) and path:
             return path
     return None
@@ -161,9 +160,19 @@ def netns_path(namespaces: Iterable[Any]) -> str | None:
 
 
 def _libc() -> Any:
-    import ctypes
+    """libc as ``ctypes.CDLL(None, use_errno=True)`` gives it, for ``setns`` (-1 and errno,
+    for _errno(), on failure).  Built from _ctypes, the C core ctypes is made of, exactly as
+    CDLL does: importing ctypes itself would cost the OCI hook more than a millisecond for
+    each exclusive container of a pod with a network namespace, for this one function."""
+    import _ctypes
+    from types import SimpleNamespace
 
-    return ctypes.CDLL(None, use_errno=True)
+    class Function(_ctypes.CFuncPtr):  # returns a C int, as CDLL's functions do by default
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+
+    libc = SimpleNamespace(_handle=_ctypes.dlopen(None, _ctypes.RTLD_LOCAL))  # CDLL's handle
+    libc.setns = Function(("setns", libc))
+    return libc
 
 
 def netlink_socket(netns: str | None) -> socket.socket:
@@ -223,9 +232,9 @@ def netlink_socket(netns: str | None) -> socket.socket:
 
 
 def _errno() -> int:
-    import ctypes
+    import _ctypes  # (ctypes.get_errno is this function)
 
-    return ctypes.get_errno()
+    return _ctypes.get_errno()
 
 
 def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
@@ -316,7 +325,9 @@ def _link(msg: rtnetlink.Message) -> Link:
 def list_links(netns: str | None) -> tuple[list[Link], dict[int, Link] | None]:
     """(links of ``netns``, the lower devices of its stacked links that live in our own
     namespace, by index; None when there are none)."""
-    with contextlib.closing(netlink_socket(netns)) as sock:
+    # (try/finally, not contextlib.closing: the hook does not import contextlib.)
+    sock = netlink_socket(netns)
+    try:
         links = [_link(m) for m in _links(sock)]
         stacked = [x for x in links if x.kind in STACKED_KINDS and x.lower is not None]
         if not stacked:
@@ -324,15 +335,20 @@ def list_links(netns: str | None) -> tuple[list[Link], dict[int, Link] | None]:
         if netns is None:
             return links, {x.index: x for x in links}
         own_id = _nsid_of_own_netns(sock)
+    finally:
+        sock.close()
     wanted = {x.lower for x in stacked if own_id is not None and x.lower_nsid == own_id}
     if not wanted:
         return links, None
     own: dict[int, Link] = {}
-    with contextlib.closing(netlink_socket(None)) as sock:
+    sock = netlink_socket(None)
+    try:
         for index in sorted(i for i in wanted if i is not None):
             msg = _link_by_index(sock, index)
             if msg is not None:
                 own[index] = _link(msg)
+    finally:
+        sock.close()
     return links, own
 
 

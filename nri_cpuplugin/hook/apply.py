@@ -3,8 +3,6 @@ committed state, as one transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
 from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Engine, Target
 from ..core.state import NodeState
@@ -12,6 +10,10 @@ from ..core.workload import Workload
 from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS, Transaction
 from .records import Record
+
+TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 
 def apply_targets(

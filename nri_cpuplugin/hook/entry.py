@@ -9,12 +9,11 @@ start, so it imports only what it needs (tests/system/test_hook_imports.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 from ..base import jsonbytes
-from ..base.errors import PluginError
+from ..base.errors import PluginError, suppress
 from ..core.cpuset import CPUSet
 from ..core.events import ERR
 from ..core.policy import PolicyError
@@ -126,7 +125,7 @@ def _fail(
 ) -> int:
     line = " ".join(reason.split())  # exactly one line, whatever the message held
     fields.setdefault("container_id", cid or None)
-    with contextlib.suppress(Exception):  # the reason on stderr matters more than the record
+    with suppress(Exception):  # the reason on stderr matters more than the record
         audit.record(action, line, ERR, reason=line, **fields)
     stderr.write(f"nri-cpuplugin: {line}\n")
     stderr.flush()

@@ -9,8 +9,6 @@ here reads Kubernetes intent exactly as ``workload.from_nri`` does (docs/cgroups
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping
 
 from ..base import files, jsonbytes, shape
 from ..base.errors import PluginError
@@ -25,6 +23,7 @@ from ..core.workload import (
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any, BinaryIO
 
 # The state document is small (id, pid, bundle, annotations); Kubernetes caps a pod's
@@ -35,8 +34,11 @@ MAX_CONFIG_BYTES = 16 << 20
 MAX_PATH = 4096
 MAX_NAME = 256  # pod names are <= 253 characters, uids 36
 # Container ids name a record file of ours, so they are restricted to a safe file name: runc's
-# own alphabet minus the oddities, never starting with a dot (no ".", "..", hidden files).
-CONTAINER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+# own alphabet minus the oddities, never starting with a dot (no ".", "..", hidden files):
+# 1-128 characters of [A-Za-z0-9_.-], the first one of [A-Za-z0-9_] (is_container_id).
+_ID_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+_ID_CHARS = _ID_FIRST | {".", "-"}
+MAX_CONTAINER_ID = 128
 MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 
 # Kubernetes identity: CRI-O copies the CRI labels into annotations; containerd's CRI plugin
@@ -115,8 +117,14 @@ def parse_state(data: bytes) -> OCIState:
     )
 
 
+def is_container_id(text: str) -> bool:
+    """Whether ``text`` is a container id we accept (a safe file name; see _ID_FIRST).  Sets,
+    not a regular expression: the hook would import re for this alone."""
+    return 0 < len(text) <= MAX_CONTAINER_ID and text[0] in _ID_FIRST and _ID_CHARS.issuperset(text)
+
+
 def check_container_id(value: object) -> str:
-    if not isinstance(value, str) or not CONTAINER_ID.fullmatch(value):
+    if not isinstance(value, str) or not is_container_id(value):
         raise InputError(
             f"container id {_show(value)} is not 1-128 characters of [A-Za-z0-9_.-] "
             "starting with a letter, digit or '_'"

@@ -14,10 +14,10 @@ directory's handle, never through a link - so a crash leaves a whole record or n
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from ..base import files, jsonbytes, shape
+from ..base.errors import suppress
 from ..base.value import Value
 from ..core import annotation
 from ..core.workload import Workload
@@ -48,7 +48,7 @@ class Records:
     def _open(self, dir_fd: int, create: bool) -> int | None:
         """The records directory's handle; refused if it is a link or not a directory."""
         if create:
-            with contextlib.suppress(FileExistsError):
+            with suppress(FileExistsError):
                 os.mkdir(RECORDS_DIR, 0o700, dir_fd=dir_fd)
         try:
             return os.open(
@@ -71,7 +71,7 @@ class Records:
         try:
             for name in os.listdir(rec_fd):
                 cid = name.removesuffix(".json")
-                if not name.endswith(".json") or not oci.CONTAINER_ID.fullmatch(cid):
+                if not name.endswith(".json") or not oci.is_container_id(cid):
                     continue  # our temp files and anything else are not records
                 try:
                     records[cid] = _decode(
@@ -100,7 +100,7 @@ class Records:
             return
         try:
             for cid in cids:
-                with contextlib.suppress(FileNotFoundError):
+                with suppress(FileNotFoundError):
                     os.unlink(f"{cid}.json", dir_fd=rec_fd)
         finally:
             os.close(rec_fd)

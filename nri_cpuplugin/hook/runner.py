@@ -438,6 +438,8 @@ class Hook:
         return returned, errors
 
     def _report_repairs(self, returned: dict[str, int], errors: list[str]) -> None:
+        if not returned and not errors:
+            return  # nearly every run: no need to import cpusets
         from ..hardware.cpusets import repair_events
 
         self.audit.emit(repair_events(returned, errors))

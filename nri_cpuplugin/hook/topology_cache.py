@@ -9,10 +9,10 @@ fsync, and anything unreadable (torn, foreign, a FIFO, a link) is simply discove
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from ..base import files, jsonbytes
+from ..base.errors import suppress
 from ..core.topology import Topology, TopologyError, discover
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
@@ -38,7 +38,7 @@ def cached_topology(sysfs: str, state_dir: str, dir_fd: int) -> Topology:
     topology = discover(sysfs)
     if key is not None:
         data = jsonbytes.dumps({"key": key, "topology": topology.as_dict()})
-        with contextlib.suppress(OSError):  # a cache: failing to write it costs only time
+        with suppress(OSError):  # a cache: failing to write it costs only time
             files.write_atomic(state_dir, TOPOLOGY_CACHE, data, durable=False, dir_fd=dir_fd)
     return topology
 

@@ -15,16 +15,14 @@ mounted.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import re
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterable
 
 from ..base import jsonbytes
+from ..base.errors import suppress
 from ..core.events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent
 
 __all__ = ["DEBUG", "ERR", "INFO", "NOTICE", "WARNING", "Audit"]
@@ -32,16 +30,19 @@ __all__ = ["DEBUG", "ERR", "INFO", "NOTICE", "WARNING", "Audit"]
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable, Iterable
     from typing import Any, TextIO
+
+    Sink = Callable[[dict[str, str]], None]
 
 IDENTIFIER = "nri-cpuplugin"
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
-Sink = Callable[[dict[str, str]], None]
-
 # journald accepts field names of upper-case letters, digits and '_', not starting with '_'
-# (those are trusted fields journald sets itself).
-_FIELD = re.compile(r"[A-Z0-9][A-Z0-9_]*")
+# (those are trusted fields journald sets itself).  Sets, not a regular expression: the hook
+# would import re for this alone.
+_FIELD_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_FIELD_CHARS = _FIELD_FIRST | {"_"}
 
 
 def stderr_sink(stream: TextIO | None = None) -> Sink:
@@ -58,7 +59,7 @@ def encode_journal_entry(record: dict[str, str]) -> bytes:
     ``KEY\\n<64-bit little-endian length><value>\\n``."""
     parts = []
     for key, value in record.items():
-        if not _FIELD.fullmatch(key):
+        if not key or key[0] not in _FIELD_FIRST or not _FIELD_CHARS.issuperset(key):
             raise ValueError(f"invalid journal field name {key!r}")
         data = value.encode()
         if b"\n" in data:
@@ -101,7 +102,7 @@ class JournalSink:
                 return
             except OSError as err:
                 if err.errno in (errno.EMSGSIZE, errno.ENOBUFS):
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         self._send_large(payload)
                         return
                     break

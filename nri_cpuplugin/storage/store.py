@@ -19,14 +19,12 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import time
-from collections.abc import Iterator
 
 from ..base import files
-from ..base.errors import PluginError
+from ..base.errors import PluginError, suppress
 from ..base.value import Value
 from ..core.cpuset import CPUSet
 from ..core.state import NodeState, StateFormatError, decode, encode
@@ -81,6 +79,56 @@ class LoadResult(Value):
     problem: str | None = None
     quarantined: str | None = None
     code: str | None = None  # MISSING, UNUSABLE, CORRUPT, MISMATCH or ERROR when state is None
+
+
+class Locked:
+    """``StateStore.locked()``: a class rather than a ``contextlib.contextmanager`` generator,
+    because importing contextlib (and the collections and functools it loads) is a measurable
+    part of the OCI hook's start-up.  One use per object, like such a generator."""
+
+    def __init__(self, store: StateStore, wait: float) -> None:
+        self.store = store
+        self.wait = wait
+        self._fds: tuple[int, int] | None = None  # (lock file, state directory) while held
+        self._entry: lock._Entry | None = None
+        self._outer: tuple[lock._Entry | None, int | None] | None = None  # re-entered: restore
+
+    def __enter__(self) -> StateStore:
+        store = self.store
+        dir_fd = store.open_dir()
+        try:
+            fd = lock.open_lock_file(dir_fd, store.lock_path)
+            try:
+                started = time.monotonic()
+                entry, reentered = lock.acquire(fd, self.wait, store.lock_path, store.use_alarm)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        self._fds, self._entry = (fd, dir_fd), entry
+        if reentered:
+            self._outer = store._held, store._dir_fd
+        else:
+            store.lock_wait = time.monotonic() - started
+        store._held, store._dir_fd = entry, dir_fd
+        return store
+
+    def __exit__(self, *exc: object) -> None:
+        store = self.store
+        fd, dir_fd = self._fds
+        try:
+            try:
+                if self._outer is not None:
+                    store._held, store._dir_fd = self._outer
+                else:
+                    store._held = store._dir_fd = None
+                    lock.release(self._entry)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
 
 
 class StateStore:
@@ -159,39 +207,14 @@ class StateStore:
 
     # --- locking ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def locked(self, timeout: float | None = None) -> Iterator[StateStore]:
-        """Hold the state lock for the block (re-entrant in the holding thread).
+    def locked(self, timeout: float | None = None) -> Locked:
+        """Hold the state lock for the block (re-entrant in the holding thread):
+        ``with store.locked(): ...`` (the block gets the store).
 
         ``timeout`` defaults to the store's ``lock_timeout``; a negative value waits forever.
         Raises StateLockTimeout when another process or thread keeps the lock longer.
         """
-        wait = self.lock_timeout if timeout is None else timeout
-        dir_fd = self.open_dir()
-        try:
-            fd = lock.open_lock_file(dir_fd, self.lock_path)
-            try:
-                started = time.monotonic()
-                entry, reentered = lock.acquire(fd, wait, self.lock_path, self.use_alarm)
-                if reentered:
-                    outer = self._held, self._dir_fd
-                    self._held, self._dir_fd = entry, dir_fd
-                    try:
-                        yield self
-                    finally:
-                        self._held, self._dir_fd = outer
-                    return
-                self.lock_wait = time.monotonic() - started
-                self._held, self._dir_fd = entry, dir_fd
-                try:
-                    yield self
-                finally:
-                    self._held = self._dir_fd = None
-                    lock.release(entry)
-            finally:
-                os.close(fd)
-        finally:
-            os.close(dir_fd)
+        return Locked(self, self.lock_timeout if timeout is None else timeout)
 
     def holds_lock(self) -> bool:
         """Whether the calling thread holds this directory's state lock through this store."""
@@ -234,7 +257,7 @@ class StateStore:
                 if entry.name.startswith(f".{STATE_FILE}.") and not entry.is_dir(
                     follow_symlinks=False
                 ):
-                    with contextlib.suppress(FileNotFoundError):
+                    with suppress(FileNotFoundError):
                         os.unlink(entry.name, dir_fd=dir_fd)
 
     # --- reading ---------------------------------------------------------------------------
@@ -302,7 +325,7 @@ class StateStore:
                 return LoadResult(None, problem, code=MISSING), False
             if err.code == "link":
                 target = "?"
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     target = os.readlink(path)
                 problem = f"state file {path} is a symbolic link (to {target!r}), not a file"
             elif err.code == "too-large":
@@ -374,7 +397,7 @@ class StateStore:
     def _prune_quarantine(self, dir_fd: int, keep: str) -> None:
         # Names embed a UTC timestamp, so name order is age order.  Directories are left alone:
         # we never create them, and removing trees someone else made is not ours to do.
-        with contextlib.suppress(OSError), os.scandir(dir_fd) as entries:
+        with suppress(OSError), os.scandir(dir_fd) as entries:
             names = sorted(
                 entry.name
                 for entry in entries
@@ -383,7 +406,7 @@ class StateStore:
             )
             for name in names[:-QUARANTINE_KEEP]:
                 if name != keep:
-                    with contextlib.suppress(OSError):
+                    with suppress(OSError):
                         os.unlink(name, dir_fd=dir_fd)
 
 
@@ -396,10 +419,10 @@ def _exists(name: str, dir_fd: int) -> bool:
 
 
 def _kind(path: str) -> str:
-    with contextlib.suppress(OSError):
+    with suppress(OSError):
         if stat.S_ISDIR(os.lstat(path).st_mode):
             return "is a directory, not a file"
-    with contextlib.suppress(OSError):
+    with suppress(OSError):
         return f"is not a regular file (mode {stat.filemode(os.lstat(path).st_mode)})"
     return "is not a regular file"
 

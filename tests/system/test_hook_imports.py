@@ -4,7 +4,9 @@ The hook runs with protobuf, grpc, pyroute2, asyncio, orjson, dataclasses, inspe
 and argparse made unimportable (``sys.modules[name] = None`` turns any import of them into
 ImportError), and must not load typing, threading, socket or hashlib either, through both
 entry points, on the allocate (of a container whose pod has a real network namespace, so NIC
-locality reads it), refuse and release paths.  Timing is a benchmark
+locality reads it), refuse and release paths.  Its own program (the launcher and pip's
+``nri-cpuplugin-hook``; not ``nri-cpuplugin hook``, whose CLI module needs more) must not load
+json, re, enum, contextlib, collections, functools or ctypes either.  Timing is a benchmark
 (tests/bench/bench_hook.py), not a test.
 """
 
@@ -14,12 +16,14 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from harness import host
 from harness.runc import CgroupSandbox, hook_env, pod, sandbox
 from netns_util import host_nic, pod_netns
 
+ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = (
     "google.protobuf",
     "grpc",
@@ -36,9 +40,19 @@ FORBIDDEN = (
 # (their C cores _thread and _socket do), hashlib (OpenSSL; the built-in SHA-256 does).  Not
 # blocked (the interpreter's own shutdown looks threading up): the run must not load them.
 ABSENT = ("typing", "threading", "socket", "hashlib")
+# Together these were about 40% of what the hook's program imported (tests/bench): json (the
+# hook calls its C accelerator, base/jsonbytes.py), re (str methods and sets do), enum (re's),
+# contextlib (base/errors.py ``suppress``, a class for the state lock), collections and
+# functools (annotations only; base/value.py ``cached_property``) and ctypes (setns through
+# _ctypes, hardware/nic.py).
+ABSENT_HOOK = ("json", "re", "enum", "contextlib", "collections", "functools", "ctypes")
 
+# Started as the launcher starts the hook (hook/launcher.py): -I -S, this checkout appended to
+# sys.path.  (With site, a venv's .pth files import re, contextlib, collections, functools and
+# enum before the hook runs, which would hide the hook's own imports of them.)
 WRAPPER = """
-import json, sys
+import sys
+sys.path.append({root!r})
 before = set(sys.modules)
 for name in {forbidden!r}:
     sys.modules[name] = None  # importing it now raises ImportError
@@ -52,7 +66,7 @@ else:
 loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in
                 {{"google", "grpc", "pyroute2", "asyncio"}})
 loaded += sorted(m for m in {absent!r} if m in sys.modules and m not in before)
-print(json.dumps(loaded))
+print("loaded:" + " ".join(loaded))  # (not json: the check would load it)
 sys.exit(code)
 """
 
@@ -63,14 +77,19 @@ def box() -> Iterator[CgroupSandbox]:
         yield fake_node
 
 
-def _run(box: CgroupSandbox, entry: str, stdin: bytes, stage: str) -> tuple[int, list[str], str]:
-    argv = [sys.executable, "-c", WRAPPER.format(forbidden=FORBIDDEN, absent=ABSENT), entry]
+def _run(
+    box: CgroupSandbox, entry: str, stdin: bytes, stage: str, cold: bool = False
+) -> tuple[int, list[str], str]:
+    absent = ABSENT if entry == "cli" or cold else ABSENT + ABSENT_HOOK
+    wrapper = WRAPPER.format(root=str(ROOT), forbidden=FORBIDDEN, absent=absent)
+    argv = [sys.executable, "-I", "-S", "-c", wrapper, entry]
     if entry == "cli":
         argv.append("hook")
     argv += ["--state-dir", str(box.state_dir), "--reserved-cpus", "0", stage]
     env = dict(item.split("=", 1) for item in hook_env(box.lab))
     proc = subprocess.run(argv, input=stdin, capture_output=True, env=env, check=False)
-    loaded = json.loads(proc.stdout.decode().strip().splitlines()[-1]) if proc.stdout else None
+    lines = [x for x in proc.stdout.decode().splitlines() if x.startswith("loaded:")]
+    loaded = lines[-1].removeprefix("loaded:").split() if lines else None
     return proc.returncode, loaded, proc.stderr.decode()
 
 
@@ -85,6 +104,12 @@ def test_hook_paths_do_not_import_heavy_modules(box: CgroupSandbox, entry: str) 
         network = [{"type": "network", "path": ns.path}]
         first = box.add(pod("a"), "a", millicores=1000, limit=1000, namespaces=network)
         second = box.add(pod("b"), "b", millicores=1000, limit=1000)
+        # The first run on a node discovers the topology (through pathlib, which imports re
+        # and more) and caches it for every later one (hook/topology_cache.py).
+        warm = box.add(pod("w", "burstable"), "w", millicores=100)
+        code, loaded, err = _run(box, entry, warm.state_json(), "createRuntime", cold=True)
+        assert code == 0, err
+        assert loaded == [], f"heavy modules loaded: {loaded}"
         for container, stage, want in (
             (first, "createRuntime", 0),  # allocate, reading the pod's netns
             (second, "createRuntime", 1),  # refuse

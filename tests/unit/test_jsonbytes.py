@@ -8,6 +8,10 @@ documents of every shape we write, in every mode, and both decoders are held to 
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -97,3 +101,126 @@ def test_both_decoders_refuse_the_same_input(monkeypatch, data, why):
         orjson.loads(data)
     with stdlib(monkeypatch), pytest.raises(jsonbytes.DecodeError, match=why or None):
         jsonbytes.loads(data)
+
+
+# The standard library path reads and writes through json's C accelerator and falls back to
+# json itself for anything else: it must give exactly what json gives, output and errors.
+
+ODD = st.recursive(
+    SCALARS | st.floats(allow_nan=True, allow_infinity=True),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(TEXT | st.integers(0, 9) | st.booleans() | st.none(), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _json_dumps(value, sort_keys, indent) -> bytes | type:
+    try:
+        return json.dumps(
+            value,
+            ensure_ascii=False,
+            allow_nan=False,
+            sort_keys=sort_keys,
+            indent=2 if indent else None,
+            separators=(",", ": ") if indent else (",", ":"),
+        ).encode()
+    except Exception as err:
+        return type(err)
+
+
+@settings(max_examples=400)
+@given(ODD, st.booleans(), st.booleans())
+def test_the_stdlib_path_writes_what_json_writes(value, sort_keys, indent):
+    want = _json_dumps(value, sort_keys, indent)
+    with stdlib(pytest.MonkeyPatch()):
+        try:
+            got = jsonbytes.dumps(value, sort_keys=sort_keys, indent=indent)
+        except Exception as err:
+            got = type(err)
+    assert got == want
+
+
+@pytest.mark.parametrize("indent", [False, True])
+def test_the_stdlib_path_refuses_what_json_refuses(monkeypatch, indent):
+    loop: list = [1]
+    loop.append(loop)
+    for value, error in (
+        (loop, ValueError),  # a circular reference
+        ({"a": float("nan")}, ValueError),
+        ({"a": object()}, TypeError),
+        ({(1, 2): 1}, TypeError),
+        ({"a": "\ud800"}, UnicodeEncodeError),  # a lone surrogate is not UTF-8
+    ):
+        with stdlib(monkeypatch), pytest.raises(error):
+            jsonbytes.dumps(value, indent=indent)
+
+
+@settings(max_examples=300)
+@given(
+    DOCUMENTS,
+    st.sampled_from(["", " ", "\n", " \t\r\n"]),
+    st.sampled_from(["", " ", "\n", "\n\n "]),
+)
+def test_the_stdlib_path_reads_what_json_reads(doc, before, after):
+    text = before + json.dumps(doc, indent=1 if len(before) % 2 else None) + after
+    with stdlib(pytest.MonkeyPatch()):
+        assert jsonbytes.loads(text) == json.loads(text) == doc
+        assert jsonbytes.loads(text.encode()) == doc
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1} x',  # extra data
+        '{"a": 1}{}',
+        "\ufeff{}",  # a byte order mark
+        " ",
+        '{"a": [1, 2,]}',
+        '{"a" 1}',
+        '"tab\there"',  # a control character in a string (json's strict mode)
+        "[1e400]",
+        "[-Infinity]",
+        '{"a": 01}',
+    ],
+)
+def test_the_stdlib_path_reports_bad_input_as_json_does(monkeypatch, text):
+    with pytest.raises(ValueError) as want:
+        json.loads(text, parse_constant=_refuse, parse_float=_finite)
+    with stdlib(monkeypatch), pytest.raises(jsonbytes.DecodeError) as got:
+        jsonbytes.loads(text)
+    assert str(got.value) == str(want.value)
+
+
+def _refuse(name):
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+def _finite(text):
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise json.JSONDecodeError(f"number {text} is infinite as a double", text, 0)
+    return value
+
+
+def test_the_stdlib_path_does_not_import_json_for_good_input():
+    # (json imports re, enum and functools: the OCI hook's start-up time.)
+    code = (
+        "import sys\n"
+        "from nri_cpuplugin.base import jsonbytes\n"
+        "jsonbytes.use_stdlib()\n"
+        'doc = jsonbytes.loads(b\' {"a": [1, true, null, "\\\\u00e9", {}], "b": -2} \')\n'
+        "jsonbytes.dumps(doc, sort_keys=True, indent=True)\n"
+        "jsonbytes.dumps(doc)\n"
+        "print(sorted(m for m in ('json', 're', 'enum') if m in sys.modules))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.append({root!r})\n{code}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stderr
