@@ -580,9 +580,14 @@ class DeadlinePlugin(CPUPlugin):
 
     def _late_record(self, job: Job, what: str) -> None:
         late = time.monotonic() - job.answered_at
+        subject = job.subject
+        if subject == job.name and len(job.args) > 1 and isinstance(job.args[1], pb.Container):
+            # Answered by the stub's guard, not by us: named here, off the fast path.
+            pod, container = job.args[:2]
+            subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
         self.audit.record(
             "deadline-late",
-            f"{job.name} of {job.subject} ended {late:.2f} s after it was answered with "
+            f"{job.name} of {subject} ended {late:.2f} s after it was answered with "
             f"{'an error' if job.answer == ERROR else 'a fallback'}: {what}",
             audit_mod.NOTICE,
             event=job.name,

@@ -45,7 +45,8 @@ log = logging.getLogger("nri_cpuplugin")
 
 LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNING
 # The runtime gives us 2 s per request by default; waiting longer on the lock than this would
-# turn a refusal into a timeout, and a timeout starts the container unpinned.
+# turn a refusal into a timeout, and a timeout starts the container unpinned.  (The daemon's
+# DeadlinePlugin waits on its worker thread instead, and answers in time: daemon/deadline.py.)
 LOCK_TIMEOUT = 1.0
 # How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
 # a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.

@@ -590,3 +590,59 @@ def test_the_worker_answers_configure_errors_and_outlives_a_failing_job(tmp_path
         assert adjust.linux.resources.cpu.cpus == "1,25"
 
     asyncio.run(scenario())
+
+
+def test_when_the_stubs_guard_answers_first_a_creation_is_dropped_and_a_release_kept(
+    tmp_path, holders, monkeypatch
+):
+    """The stub's last-resort guard (its DEADLINE_SHARE of the runtime's timeout) cancels a
+    handler still waiting: the runtime gets DEADLINE_EXCEEDED.  A creation the runtime then
+    abandons is never assigned; a stop, which happened all the same, is still committed."""
+    from nri_cpuplugin.daemon import deadline
+    from nri_cpuplugin.nri import stub as stub_module
+
+    monkeypatch.setattr(stub_module, "DEADLINE_SHARE", 0.2)  # 2 s * 0.2: the guard at 0.4 s
+    monkeypatch.setattr(deadline, "BUDGET_SHARE", 5.0)  # our budget (5 s) after it, for once
+    plugin, records = make(tmp_path, budget=5.0)
+    socket_path = tmp_path / "nri.sock"
+    db, big = pod("db"), pod("big")
+
+    async def scenario():
+        runtime = FakeRuntime(socket_path)
+        await runtime.start()
+        stub = Stub(plugin, "cpuplugin", "50", socket_path=str(socket_path))
+        plugin.stub = stub
+        served = asyncio.create_task(stub.run())
+        try:
+            await asyncio.wait_for(runtime.registered.wait(), 10)
+            pg = container("pg", db, 2000)
+            reply = await runtime.call(
+                "CreateContainer", pb.CreateContainerRequest(pod=db, container=pg)
+            )
+            assert reply.code == 0
+            holder = holders(plugin.settings.state_dir)
+            reply = await runtime.call(
+                "StopContainer", pb.StopContainerRequest(pod=db, container=pg)
+            )
+            assert reply.code == 4 and "did not finish within 0.40s" in reply.message
+            reply = await runtime.call(
+                "CreateContainer",
+                pb.CreateContainerRequest(pod=big, container=container("big", big, 4000)),
+            )
+            assert reply.code == 4
+            holder.release()
+            assert await plugin.drain()
+            assert stub.connected.is_set()
+        finally:
+            stub.stop()
+            await runtime.close()
+            await asyncio.wait_for(served, 5)
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments == {} and on_disk(plugin).assignments == {}
+    assert [r["CONTAINER_ID"] for r in records.of("release")] == [CID["pg"]]
+    assert [r["ACTION"] for r in records if r["ACTION"] == "allocate"] == ["allocate"]
+    late = [r["MESSAGE"] for r in records.of("deadline-late")]
+    assert late[0].startswith("StopContainer of container 'pg' of pod ns/db ended")
+    assert late[1].startswith("CreateContainer of container 'big' of pod ns/big ended")
+    assert late[1].endswith("answered with an error: nothing was assigned")
