@@ -31,10 +31,11 @@ holds it), the durable commit (fsync on a slow disk) and netlink (NIC locality).
   ====================================================  ===================================
 
 * **The job goes on, and what it does late agrees with the answer** (``deadline-late``): an
-  exclusive decision answered with an error is not committed - checked under the lock just
-  before the commit - or released again at once if its commit was already under way;
-  everything else is committed when the job gets there (a release is never dropped), and the
-  cpusets its reply would have carried go out as an unsolicited UpdateContainers.
+  exclusive decision answered with an error is not made - checked when the job starts, once
+  it holds the lock and just before the commit - or released again at once if its commit was
+  already under way; everything else is committed when the job gets there (a release is
+  never dropped), and the cpusets its reply would have carried go out as an unsolicited
+  UpdateContainers.
 
 The worker waits for the state lock as long as it takes: the budget, not the lock's timeout,
 decides when the runtime is answered, and late work must not be lost to a busy lock.
