@@ -6,6 +6,7 @@ and 24 reserved), real state directory, real lock; budgets of 0.3 s to keep this
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -646,3 +647,22 @@ def test_when_the_stubs_guard_answers_first_a_creation_is_dropped_and_a_release_
     assert late[0].startswith("StopContainer of container 'pg' of pod ns/db ended")
     assert late[1].startswith("CreateContainer of container 'big' of pod ns/big ended")
     assert late[1].endswith("answered with an error: nothing was assigned")
+
+
+def test_the_worker_runs_where_the_loop_is_and_the_loop_keeps_its_cpus(tmp_path):
+    """The worker follows the event loop's CPU (a job on the other CPU costs cold caches and
+    wake-ups); the loop is held there only while it waits, its own affinity given back."""
+    plugin, _ = make(tmp_path)
+    allowed = os.sched_getaffinity(0)
+    db = pod("db")
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        for name in ("pg", "redis"):
+            await plugin.create_container(db, container(name, db, 1000))
+            worker = os.sched_getaffinity(plugin.worker._thread.native_id)
+            assert len(worker) == 1 and worker <= allowed
+            assert os.sched_getaffinity(0) == allowed
+
+    asyncio.run(scenario())
+    assert set(plugin.state.assignments) == {CID["pg"], CID["redis"]}
