@@ -128,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .daemon.plugin import CPUPlugin
+    from .daemon.deadline import DeadlinePlugin
     from .nri.stub import Stub
     from .ops.audit import Audit
 
@@ -138,7 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        plugin = CPUPlugin(base, Audit(), flags)
+        plugin = DeadlinePlugin(base, Audit(), flags)
         stub = Stub.from_environment(
             plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
             observe=plugin.observe_request,
@@ -165,6 +165,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             await stub.run()
         finally:
             plugin.stop_hotplug()
+            # Work answered before it was done (a release behind a busy lock) is committed
+            # before we go, if it can be soon; what cannot, the next start finds by itself.
+            await plugin.drain()
 
     asyncio.run(serve())
     plugin.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")

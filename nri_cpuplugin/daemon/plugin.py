@@ -50,7 +50,8 @@ log = logging.getLogger("nri_cpuplugin")
 
 LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNING
 # The runtime gives us 2 s per request by default; waiting longer on the lock than this would
-# turn a refusal into a timeout, and a timeout starts the container unpinned.
+# turn a refusal into a timeout, and a timeout starts the container unpinned.  (The daemon's
+# DeadlinePlugin waits on its worker thread instead, and answers in time: daemon/deadline.py.)
 LOCK_TIMEOUT = 1.0
 # How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
 # a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.
@@ -232,14 +233,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
 
     async def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
         self.audit.common["RUNTIME"] = f"{runtime_name} {runtime_version}".strip()
-        overrides = (
-            parse_toml(config, "plugin config sent by the runtime") if config.strip() else {}
-        )
-        settings = merge(self.file_settings, overrides, self.flags)
-        if settings != self.settings:
-            self._build(settings)
-        if self.state is None:
-            self.load_state()
+        self._apply_config(config)
         self._start_sweep()
         self.start_hotplug()
         await self.start_metrics()
@@ -258,6 +252,18 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers):
             nri_version=nri,
         )
         self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
+
+    def _apply_config(self, config: str) -> None:
+        """Settings from the runtime's config string (rebuilt when they changed), and the
+        state loaded.  Apart from configure() so that it can run where the state is owned."""
+        overrides = (
+            parse_toml(config, "plugin config sent by the runtime") if config.strip() else {}
+        )
+        settings = merge(self.file_settings, overrides, self.flags)
+        if settings != self.settings:
+            self._build(settings)
+        if self.state is None:
+            self.load_state()
 
     def synchronize(
         self, pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container]

@@ -111,20 +111,28 @@ class UnverifiedContainers:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        self._sweep_later(loop)
+
+    def _sweep_later(self, loop: Any) -> None:
         self._sweeping = True
         loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
 
     def _sweep(self, loop: Any) -> None:
         self._sweeping = False
+        if self._sweep_once():
+            self._sweep_later(loop)
+
+    def _sweep_once(self) -> bool:
+        """One round of the sweep; whether there is more to check later."""
         if self.state is None:
-            return
+            return False
         # Containers pinned before the state was lost may have ended.  The scan walks every pod
-        # cgroup (tens of milliseconds on a large node, on the event loop): not every sweep.
+        # cgroup (tens of milliseconds on a large node, which events wait for): not every sweep.
         self._sweeps += 1
         if self.pinned and self._sweeps % PINNED_EVERY == 0:
             self._learn_pinned()
         if not self.unverified and not self.pinned:
-            return
+            return False
         try:
             with self.store.locked():
                 outcome = self._forget_ended(limit=SWEEP_BATCH)
@@ -132,6 +140,4 @@ class UnverifiedContainers:
             log.warning("checking unverified containers failed: %s", err)
         else:
             self._push(outcome.targets, "ended unseen")
-        if self.unverified or self.pinned:
-            self._sweeping = True
-            loop.call_later(SWEEP_INTERVAL, self._sweep, loop)
+        return bool(self.unverified or self.pinned)

@@ -99,7 +99,9 @@ REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
 REQUEST_TIMEOUT = 2.0  # the runtime's default per-request timeout, until Configure says more
 # Answer within this share of the runtime's deadline: a late answer is worse than an error,
 # because the runtime then drops the plugin and creates the container unpinned (fail open).
-DEADLINE_SHARE = 0.75
+# The last resort, for handlers that await: a plugin that can answer something better than
+# an error keeps a budget of its own below it (the CPU plugin: daemon/deadline.py, 75 %).
+DEADLINE_SHARE = 0.9
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
 
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)

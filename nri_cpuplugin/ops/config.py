@@ -26,6 +26,9 @@ CFS_QUOTA_MODES = ("unlimited", "keep")
 # An NRI plugin name: letters, digits and _.+- (a set, not a regular expression: importing re
 # costs every OCI hook start more than a millisecond).
 _PLUGIN_NAME = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.+-")
+# The runtime's request timeout can be raised (containerd's plugin_request_timeout), so the
+# budget may be too; beyond a minute a "budget" would only hide a stuck daemon.
+MAX_REQUEST_BUDGET = 60.0
 # A host name label (RFC 1123): letters, digits and inner hyphens, at most 63 characters.
 # A DNS label; re is imported where it is used: only a config that sets metrics.listen needs it.
 _HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -53,6 +56,8 @@ class Settings(Value):
     nri_socket: str = "/var/run/nri/nri.sock"
     nri_name: str = "cpuplugin"
     nri_index: str = "50"
+    # Seconds within which every NRI request is answered, decided or not (daemon/deadline.py).
+    nri_request_budget: float = 1.5
     metrics_listen: str | None = None
 
     @property
@@ -74,7 +79,12 @@ _TOP = {
     "log_level": "log_level",
 }
 _TABLES = {
-    "nri": {"socket": "nri_socket", "name": "nri_name", "index": "nri_index"},
+    "nri": {
+        "socket": "nri_socket",
+        "name": "nri_name",
+        "index": "nri_index",
+        "request_budget": "nri_request_budget",
+    },
     "metrics": {"listen": "metrics_listen"},
 }
 KNOWN_KEYS = sorted([*_TOP, *(f"{table}.{key}" for table, keys in _TABLES.items() for key in keys)])
@@ -241,6 +251,15 @@ def _check(field: str, value: Any, where: str) -> Any:
         if not (isinstance(value, str) and len(value) == 2 and value.isdigit()):
             raise ConfigError(f'{where} = {value!r}: expected two digits as a string, like "50"')
         return value
+    if field == "nri_request_budget":
+        # bool is an int to Python, but `true` is no number of seconds.
+        if type(value) not in (int, float) or not 0 < value <= MAX_REQUEST_BUDGET:
+            raise ConfigError(
+                f"{where} = {value!r}: expected seconds, a number above 0 and at most "
+                f"{MAX_REQUEST_BUDGET:g} (like 1.5); it must stay below the runtime's request "
+                "timeout (2 s by default)"
+            )
+        return float(value)
     if field == "nri_name":
         if not (isinstance(value, str) and value and _PLUGIN_NAME.issuperset(value)):
             raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")

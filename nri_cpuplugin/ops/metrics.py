@@ -3,8 +3,9 @@
 Names follow kubelet's CPU manager metrics under our prefix, so dashboards carry over:
 ``nri_cpuplugin_pinning_requests_total`` / ``_pinning_errors_total``,
 ``_shared_pool_size_millicores``, ``_exclusive_cpu_allocation_count``,
-``_allocation_per_numa{numa_node}``; plus handler latency per NRI event, state commit latency
-and whether the runtime connection is up.
+``_allocation_per_numa{numa_node}``; plus handler latency per NRI event, state commit latency,
+requests answered without their decision (``_deadline_misses_total{event,reason}``) and
+whether the runtime connection is up.
 
 The endpoint is served from the daemon's own asyncio loop rather than prometheus_client's
 HTTP server thread, whose accept loop wakes up every half second: an idle node agent should
@@ -80,6 +81,12 @@ class Metrics:
             "Time to commit the state file durably (write, fsync, rename, fsync directory).",
             buckets=LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.deadline_misses = Counter(
+            f"{PREFIX}_deadline_misses",
+            "NRI requests answered without their decision, which was not made within the "
+            "request budget (nri.request_budget).",
+            ["event", "reason"], registry=registry,
+        )  # fmt: skip
         self.connected = Gauge(
             f"{PREFIX}_runtime_connected", "1 while connected to the runtime over NRI.",
             registry=registry,
@@ -103,6 +110,9 @@ class Metrics:
 
     def observe_commit(self, seconds: float) -> None:
         self.commit.observe(seconds)
+
+    def deadline_missed(self, event: str, reason: str) -> None:
+        self.deadline_misses.labels(event=event, reason=reason).inc()
 
     def set_connected(self, up: bool) -> None:
         self.connected.set(1 if up else 0)

@@ -131,31 +131,38 @@ def bench_synchronize(n_containers: int = 1000, rounds: int = 20) -> dict:
 
 
 def bench_plugin_handlers(rounds: int = 500) -> dict:
-    """The CPU plugin's own CreateContainer and StopContainer handlers (policy, durable state
-    commit with fsync, audit record, reply), on this machine's topology, with one shared
-    neighbour to update each time."""
-    from nri_cpuplugin.daemon.plugin import CPUPlugin
+    """The CPU plugin daemon's own CreateContainer and StopContainer handlers (the hand-off to
+    its worker thread, policy, durable state commit with fsync, audit record, reply), awaited
+    on the event loop as the stub does, on this machine's topology, with one shared neighbour
+    to update each time."""
+    from nri_cpuplugin.daemon.deadline import DeadlinePlugin
     from nri_cpuplugin.ops.audit import Audit
     from nri_cpuplugin.ops.config import Settings
 
     samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
-    with scratch() as tmp:
-        plugin = CPUPlugin(Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None))
-        asyncio.run(plugin.configure("", "bench", "v0"))
+
+    async def run(tmp: str) -> None:
+        plugin = DeadlinePlugin(
+            Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None)
+        )
+        await plugin.configure("", "bench", "v0")
         burstable = realistic_pod(1)
         burstable.linux.cgroup_parent = f"/kubepods/burstable/pod{burstable.uid}"
-        plugin.create_container(burstable, realistic_container(burstable, 1))
+        await plugin.create_container(burstable, realistic_container(burstable, 1))
         pod = realistic_pod(2)
         for i in range(rounds):
             container = realistic_container(pod, 10 + i)
             container.linux.resources.cpu.shares.value = 1024
             container.linux.resources.cpu.quota.value = 100000
             start = time.perf_counter()
-            adjust, updates = plugin.create_container(pod, container)
+            adjust, updates = await plugin.create_container(pod, container)
             samples["create_container"].append(time.perf_counter() - start)
             assert adjust.linux.resources.cpu.cpus and updates
             start = time.perf_counter()
-            plugin.stop_container(pod, container)
+            await plugin.stop_container(pod, container)
             samples["stop_container"].append(time.perf_counter() - start)
-            plugin.remove_container(pod, container)
+            await plugin.remove_container(pod, container)
+
+    with scratch() as tmp:
+        asyncio.run(run(tmp))
     return {name: summary(values) for name, values in samples.items()}

@@ -20,6 +20,7 @@ log_level = "debug"
 socket = "/run/nri.sock"
 name = "cpu.plugin"
 index = "10"
+request_budget = 0.8
 [metrics]
 listen = "127.0.0.1:9100"
 """
@@ -32,6 +33,9 @@ listen = "127.0.0.1:9100"
         "10",
     )
     assert settings.metrics_listen == "127.0.0.1:9100" and settings.cfs_quota == "keep"
+    assert settings.nri_request_budget == 0.8
+    assert parse_toml("[nri]\nrequest_budget = 2", "t")["nri_request_budget"] == 2.0
+    assert Settings().nri_request_budget == 1.5  # below the runtimes' 2 s request timeout
 
 
 def test_reserved_cpus_as_a_list_and_default_count():
@@ -60,6 +64,12 @@ def test_reserved_cpus_as_a_list_and_default_count():
         ("log_level = 'loud'", "expected one of debug, info, warning, error"),
         ("[nri]\nindex = 5", "expected two digits as a string"),
         ("[nri]\nname = 'cpu plugin'", "letters, digits and _.+- only"),
+        ("[nri]\nrequest_budget = 0", "nri.request_budget = 0: expected seconds, a number"),
+        ("[nri]\nrequest_budget = -1.5", "expected seconds"),
+        ("[nri]\nrequest_budget = 61", "at most 60"),
+        ("[nri]\nrequest_budget = nan", "expected seconds"),
+        ("[nri]\nrequest_budget = true", "expected seconds"),
+        ("[nri]\nrequest_budget = '1.5'", "expected seconds"),
         ("nri = 1", "[nri] must be a table"),
         ("state_dir = ''", "expected a non-empty string"),
         ("reserved_cpus = ", "not valid TOML"),

@@ -1,0 +1,481 @@
+"""Deadline discipline: every NRI request is answered within its budget, decided or not.
+
+The runtime waits ``plugin_request_timeout`` (2 s by default, containerd and CRI-O alike) for
+each answer.  A request left unanswered past it makes the runtime drop the plugin, and the
+containers created meanwhile start unpinned.  Three of the daemon's waits can outlast it, and
+none can be interrupted: the state lock (another nri-cpuplugin process - a hook, the CLI -
+holds it), the durable commit (fsync on a slow disk) and netlink (NIC locality).  So:
+
+* **One worker thread does the daemon's work**: every handler's, the background sweep's and
+  CPU hotplug's, one job at a time, in the order the events came.  The state is not
+  thread-safe, and a release must never overtake the creation it follows.
+* **The handler waits for its job with a budget**: ``nri.request_budget`` (1.5 s), or 75 % of
+  the runtime's request timeout when that is shorter (NRI >= 0.7 says it in Configure), which
+  keeps it below the stub's last-resort guard (``stub.DEADLINE_SHARE``).  It first blocks for
+  up to ``FAST_WAIT``, which costs one thread hand-off each way on one CPU (tens of
+  microseconds, the price every request pays; see Worker); a job still running then frees
+  the event loop and is awaited.
+* **A job not done within the budget is answered without it**, audited (``deadline``, its
+  ``REASON`` saying what the job was waiting for) and counted
+  (``nri_cpuplugin_deadline_misses_total``):
+
+  ====================================================  ===================================
+  request                                               answer
+  ====================================================  ===================================
+  CreateContainer of an exclusive candidate             an error saying what held it up
+                                                        (kubelet retries the container)
+  CreateContainer of a shared container                 the current shared pool
+  UpdateContainer resizing around exclusive CPUs        an error (kubelet retries the resize)
+  UpdateContainer otherwise                             the current cpuset, kept
+  StopContainer, Synchronize                            no updates
+  RemoveContainer, RemovePodSandbox, UpdatePodSandbox   (empty)
+  ====================================================  ===================================
+
+* **The job goes on, and what it does late agrees with the answer** (``deadline-late``): an
+  exclusive decision answered with an error is not made - checked when the job starts, once
+  it holds the lock and just before the commit - or released again at once if its commit was
+  already under way; everything else is committed when the job gets there (a release is
+  never dropped), and the cpusets its reply would have carried are written directly or owed
+  to the runtime's next reply (never an unsolicited UpdateContainers, which deadlocks
+  containerd).
+
+The worker waits for the state lock as long as it takes: the budget, not the lock's timeout,
+decides when the runtime is answered, and late work must not be lost to a busy lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from ..core.engine import Outcome
+from ..core.policy import PolicyError, describe
+from ..core.workload import Workload, from_nri
+from ..hardware import nic
+from ..nri.pb import nri_pb2 as pb
+from ..ops import audit as audit_mod
+from ..ops.audit import Audit
+from ..ops.config import Settings
+from ..storage.store import CommitTiming, StateStore
+from .plugin import CPUPlugin, _fill
+from .worker import (
+    COMMIT,
+    DECIDING,
+    ERROR,
+    FALLBACK,
+    NIC,
+    QUEUED,
+    STATE_LOCK,
+    Abandoned,
+    Job,
+    Worker,
+    _call_soon,
+)  # fmt: skip
+
+log = logging.getLogger("nri_cpuplugin")
+
+# The budget's share of the runtime's request timeout, when that is the shorter bound.
+BUDGET_SHARE = 0.75
+# At exit, how long to wait for work already answered (a late release) to be committed.
+DRAIN_TIMEOUT = 5.0
+
+
+class PhasedStore(StateStore):
+    """The state store as the worker uses it: the lock is waited for as long as it takes, and
+    the running job knows what it waits for (the REASON of a deadline miss)."""
+
+    def __init__(self, state_dir: str, worker: Worker) -> None:
+        super().__init__(state_dir, lock_timeout=-1)
+        self.worker = worker
+
+    @contextlib.contextmanager
+    def locked(self, timeout: float | None = None) -> Iterator[StateStore]:
+        job = self.worker.job_here()
+        if job is None or self.holds_lock():
+            with super().locked(timeout) as store:
+                yield store
+            return
+        job.phase = STATE_LOCK
+        with super().locked(timeout) as store:
+            job.phase = DECIDING
+            job.abandoned_check()  # nothing decided once the runtime has been told no
+            yield store
+
+    def commit(self, state: Any) -> CommitTiming:
+        job = self.worker.job_here()
+        if job is None:
+            return super().commit(state)
+        job.phase = COMMIT
+        try:
+            return super().commit(state)
+        finally:
+            job.phase = DECIDING
+
+
+class DeadlinePlugin(CPUPlugin):
+    """The daemon's plugin: CPUPlugin's decisions, made on the worker thread and answered
+    within the budget (see the module docstring)."""
+
+    def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
+        self.worker = Worker()
+        super().__init__(settings, audit, flags)
+
+    def _build(self, settings: Settings) -> None:
+        super()._build(settings)
+        self.store = PhasedStore(settings.state_dir, self.worker)
+
+    @property
+    def budget(self) -> float:
+        """Seconds within which each request is answered."""
+        budget = self.settings.nri_request_budget
+        timeout = getattr(self.stub, "request_timeout", None)
+        if timeout:
+            budget = min(budget, timeout * BUDGET_SHARE)
+        return budget
+
+    # --- NRI handlers --------------------------------------------------------------------------
+
+    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+        # Settings and the state are the worker's, where a late job of the last connection may
+        # still run.  No budget: a Configure that cannot finish is no connection at all, and the
+        # stub's guard answers it.
+        job = self.worker.submit("Configure", self._apply_config, config)
+        await self.worker.finished(job, None)
+        job.outcome()
+        await super().configure(config, runtime_name, runtime_version)
+
+    async def create_container(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        job = self.worker.submit(
+            "CreateContainer", self._create_job, pod, container,
+            late=self._create_late, refusable=True,
+        )  # fmt: skip
+        budget = self.budget
+        if await self.worker.finished(job, budget):
+            return job.outcome()
+        workload = from_nri(pod, container)
+        job.subject = describe(workload)
+        try:
+            exclusive = self.policy.eligibility(workload)[0] is not None
+        except PolicyError:
+            exclusive = True  # refused by its annotations: no answer but an error is right
+        if exclusive:
+            if not job.abandon(ERROR):
+                return job.outcome()
+            self.metrics.pinning_request()
+            self.metrics.pinning_error()
+            why = self._missed(job, budget, "an error", workload.identity())
+            raise PolicyError(
+                f"exclusive CPUs for {job.subject} could not be decided within {budget:g} s: "
+                f"{why}; nothing was assigned, the container is not created now and kubelet "
+                "retries it",
+                "deadline",
+            )
+        target = self.engine.target(self.state, container.id)
+        job.answered_cpus = str(target.cpus)  # before abandon(): the late job compares with it
+        if not job.abandon(FALLBACK):
+            return job.outcome()
+        adjust = pb.ContainerAdjustment()
+        _fill(adjust.linux.resources.cpu, target)
+        self._missed(
+            job, budget, f"the shared pool {target.cpus}", workload.identity(), cpus=target.cpus
+        )
+        return adjust, []
+
+    async def update_container(
+        self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
+    ) -> list[pb.ContainerUpdate]:
+        job = self.worker.submit(
+            "UpdateContainer", super().update_container, pod, container, resources,
+            late=self._replay_late, refusable=True,
+        )  # fmt: skip
+        budget = self.budget
+        if await self.worker.finished(job, budget):
+            return job.outcome()
+        updated = pb.Container()
+        updated.CopyFrom(container)
+        updated.linux.resources.CopyFrom(resources)
+        workload = from_nri(pod, updated)
+        job.subject = describe(workload)
+        # A new CPU request around exclusive CPUs is a decision only the job can make: refused,
+        # kubelet retries the resize.  Anything else keeps the cpuset, which is all it would do.
+        resize = bool(resources.cpu.shares.value) and (
+            container.id in self.state.assignments or self._eligible(workload)
+        )
+        if resize:
+            if not job.abandon(ERROR):
+                return job.outcome()
+            why = self._missed(job, budget, "an error", workload.identity())
+            raise PolicyError(
+                f"the CPU resize of {job.subject} could not be decided within {budget:g} s: "
+                f"{why}; its CPUs are unchanged and kubelet retries the resize",
+                "deadline",
+            )
+        targets = self.engine.update(self.state, container.id).targets
+        if not job.abandon(FALLBACK):
+            return job.outcome()
+        self._missed(job, budget, "its cpuset kept", workload.identity())
+        return [self._update(t, ignore_failure=False) for t in targets]
+
+    async def stop_container(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> list[pb.ContainerUpdate]:
+        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
+        return await self._answered(
+            "StopContainer", super().stop_container, (pod, container), [], subject, container.id
+        )
+
+    async def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
+        await self._answered(
+            "StartContainer", super().start_container, (pod, container), None, subject,
+            container.id,
+        )  # fmt: skip
+
+    async def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
+        await self._answered(
+            "RemoveContainer", super().remove_container, (pod, container), None, subject,
+            container.id,
+        )  # fmt: skip
+
+    async def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
+        await self._answered(
+            "RemovePodSandbox", super().remove_pod_sandbox, (pod,), None,
+            f"pod {pod.namespace}/{pod.name}",
+        )  # fmt: skip
+
+    async def update_pod_sandbox(
+        self, pod: pb.PodSandbox, overhead: pb.LinuxResources, resources: pb.LinuxResources
+    ) -> None:
+        await self._answered(
+            "UpdatePodSandbox", super().update_pod_sandbox, (pod, overhead, resources), None,
+            f"pod {pod.namespace}/{pod.name}",
+        )  # fmt: skip
+
+    async def synchronize(
+        self, pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container]
+    ) -> list[pb.ContainerUpdate]:
+        containers = list(containers)
+        return await self._answered(
+            "Synchronize", super().synchronize, (list(pods), containers), [],
+            f"the runtime's {len(containers)} containers",
+        )  # fmt: skip
+
+    async def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
+        """Wait up to ``timeout`` for the work queued so far - a late release, say - to be
+        done, before the daemon exits; whether it was."""
+        return await self.worker.finished(self.worker.submit("drain", _nothing), timeout)
+
+    # --- the work, on the worker thread ----------------------------------------------------------
+
+    def _create_job(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        job = self.worker.current
+        state = self.state
+        if job is not None and state is not None:
+            # A repeated creation of a tracked container answered with an error must not
+            # release what it already held.
+            job.tracked_before = container.id in state.assignments or container.id in state.sharing
+        return super().create_container(pod, container)
+
+    def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
+        if durable and outcome.state is not self.state:
+            job = self.worker.job_here()
+            if job is not None:
+                # Checked under the lock, before the commit: past this point the decision is
+                # durable and _create_late releases it again instead.
+                job.abandoned_check()
+        return super()._commit(outcome, durable)
+
+    def _nic_locality(self, pod: pb.PodSandbox, workload: Workload) -> nic.Locality | None:
+        job = self.worker.job_here()
+        if job is None:
+            return super()._nic_locality(pod, workload)
+        job.phase = NIC
+        try:
+            return super()._nic_locality(pod, workload)
+        finally:
+            job.phase = DECIDING
+
+    def _create_late(self, job: Job) -> None:
+        """A creation that ended after its request was answered without it."""
+        container = job.args[1]
+        cid = container.id
+        state = self.state
+        if job.error is not None:
+            what = (
+                "nothing was assigned"
+                if isinstance(job.error, Abandoned)
+                else f"it was refused: {job.error}"
+            )
+        elif job.answer == ERROR:
+            if job.tracked_before or (cid not in state.assignments and cid not in state.sharing):
+                what = "nothing to undo"
+            else:
+                # The runtime is not creating it: what was committed for it goes again.
+                held = state.assignments.get(cid)
+                with self.store.locked():
+                    outcome = self._commit(self.engine.stop(self.state, cid))
+                self.audit.emit(outcome.events)
+                self._push(outcome.targets, "creation answered with an error")
+                what = (
+                    f"its exclusive CPUs {held.cpus} were released again"
+                    if held is not None
+                    else "its record was dropped again"
+                )
+        else:
+            adjust, updates = job.result
+            cpu = adjust.linux.resources.cpu
+            if cpu.cpus != job.answered_cpus:
+                # The pool moved while it waited (an earlier late job): its StartContainer
+                # checks its cgroup, and the next reply that can carry its cpuset does.
+                self._owed.add(cid)
+            self._owed |= {update.container_id for update in updates}
+            what = f"recorded in the shared pool {cpu.cpus}"
+        self._late_record(job, what)
+
+    def _replay_late(self, job: Job) -> None:
+        """Any other request that ended after it was answered without it: what its reply
+        would have carried is owed to the runtime's next reply that can carry it (never an
+        unsolicited update: docs/architecture.md, "Changes outside event replies")."""
+        if job.error is not None:
+            what = (
+                "nothing was changed"
+                if isinstance(job.error, Abandoned)
+                else f"it failed: {job.error}"
+            )
+        else:
+            owed = {u.container_id for u in job.result} if isinstance(job.result, list) else set()
+            self._owed |= owed
+            what = "committed" + (f", {len(owed)} cpusets owed to the runtime" if owed else "")
+        self._late_record(job, what)
+
+    def _late_record(self, job: Job, what: str) -> None:
+        late = time.monotonic() - job.answered_at
+        subject = job.subject
+        if subject == job.name and len(job.args) > 1 and isinstance(job.args[1], pb.Container):
+            # Answered by the stub's guard, not by us: named here, off the fast path.
+            pod, container = job.args[:2]
+            subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
+        self.audit.record(
+            "deadline-late",
+            f"{job.name} of {subject} ended {late:.2f} s after it was answered with "
+            f"{'an error' if job.answer == ERROR else 'a fallback'}: {what}",
+            audit_mod.NOTICE,
+            event=job.name,
+            late_seconds=f"{late:.3f}",
+        )
+
+    # --- on the event loop ---------------------------------------------------------------------
+
+    async def _answered(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple,
+        fallback: Any,
+        subject: str,
+        container_id: str = "",
+    ) -> Any:
+        """Run ``fn(*args)`` on the worker; ``fallback`` if it is not done within the budget
+        (the job goes on and its effects are sent when it ends)."""
+        job = self.worker.submit(name, fn, *args, late=self._replay_late)
+        budget = self.budget
+        if await self.worker.finished(job, budget):
+            return job.outcome()
+        job.subject = subject  # before abandon(): the late job's record names it
+        if not job.abandon(FALLBACK):
+            return job.outcome()
+        answered = "no updates" if fallback is not None else "an empty reply"
+        self._missed(job, budget, answered, {"container_id": container_id})
+        return fallback
+
+    def _missed(
+        self, job: Job, budget: float, answered: str, identity: Mapping[str, Any], **fields: Any
+    ) -> str:
+        """Audit and count a request answered without its job; returns why it was late."""
+        code, why = self._why(job)
+        self.metrics.deadline_missed(job.name, code)
+        self.audit.record(
+            "deadline",
+            f"{job.name} of {job.subject} was not decided within {budget:g} s ({why}): "
+            f"answered with {answered}; the work goes on and is done when it can be",
+            audit_mod.WARNING,
+            reason=code,
+            event=job.name,
+            budget_seconds=f"{budget:g}",
+            **identity,
+            **fields,
+        )
+        return why
+
+    def _why(self, job: Job) -> tuple[str, str]:
+        """(reason code, what the job waits for): its own phase, or the phase of the job it
+        is queued behind (the cause an operator can act on)."""
+        phase = job.phase
+        ahead = self.worker.current
+        if phase == QUEUED and ahead is not None and ahead is not job:
+            code, why = self._phase_why(ahead.phase)
+            return code, f"it waits behind an earlier {ahead.name}, {why}"
+        return self._phase_why(phase)
+
+    def _phase_why(self, phase: str) -> tuple[str, str]:
+        if phase == STATE_LOCK:
+            path = self.store.lock_path
+            return phase, (
+                f"waiting for the state lock {path}, which another nri-cpuplugin process holds "
+                f"(`fuser -v {path}` shows which)"
+            )
+        if phase == COMMIT:
+            return phase, (
+                f"writing {self.store.state_path} durably: the disk is slow to sync, check it"
+            )
+        if phase == NIC:
+            return phase, "reading the pod's network interfaces over netlink"
+        if phase == QUEUED:
+            return phase, "waiting for the worker thread"
+        return DECIDING, "deciding"
+
+    def _eligible(self, workload: Workload) -> bool:
+        try:
+            return self.policy.eligibility(workload)[0] is not None
+        except PolicyError:
+            return True
+
+    # --- background work: also the worker's, since it touches the state -----------------------
+
+    def cpu_events(self, events: list[Any]) -> None:
+        self.worker.submit("hotplug", super().cpu_events, events, awaited=False)
+
+    def _schedule_eviction_rechecks(self, cids: list[str]) -> None:
+        job = self.worker.job_here()
+        if job is None:
+            super()._schedule_eviction_rechecks(cids)
+        else:  # the timers live on the event loop
+            _call_soon(job.loop, super()._schedule_eviction_rechecks, cids)
+
+    def _recheck_evictions(self, cids: list[str]) -> None:
+        self.worker.submit("hotplug", super()._recheck_evictions, cids, awaited=False)
+
+    def _sweep(self, loop: Any) -> None:
+        # _sweeping stays set until the round has ended: one chain of sweeps at a time.
+        self.worker.submit("sweep", self._sweep_round, loop, awaited=False)
+
+    def _sweep_round(self, loop: Any) -> None:
+        more = self._sweep_once()
+        _call_soon(loop, self._swept, loop, more)
+
+    def _swept(self, loop: Any, more: bool) -> None:
+        self._sweeping = False
+        if more:
+            self._sweep_later(loop)
+
+
+def _nothing() -> None:
+    return None
