@@ -24,6 +24,8 @@ from harness import debs, image
 from harness.containerd import VERSIONS, Containerd, bin_dir, reap_stale
 from harness.packages import RUNC
 
+from e2e.daemon import Daemon
+
 CONTAINERD_VERSIONS = sorted(VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
 
 
@@ -103,6 +105,15 @@ def containerd(make_containerd: Callable[..., Containerd]) -> Containerd:
 @pytest.fixture
 def cri(containerd: Containerd) -> cri_mod.CRIClient:
     return containerd.cri()
+
+
+@pytest.fixture
+def daemon(containerd: Containerd, tmp_path: Path) -> Iterator[Daemon]:
+    """``nri-cpuplugin run`` connected to ``containerd`` (reserved CPU 0), synchronized."""
+    process = Daemon(containerd.nri_socket, tmp_path / "state")
+    process.start()
+    yield process
+    process.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -14,7 +14,7 @@ from harness import host
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
 
-from e2e.daemon import REPO, Daemon, check_agreement, wait_for
+from e2e.daemon import REPO, check_agreement, wait_for
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 ALL = "0-1"
@@ -26,14 +26,6 @@ def guaranteed(name: str, cpus: float = 1, **kw) -> ContainerSpec:
 
 def burstable(name: str, **kw) -> ContainerSpec:
     return ContainerSpec(name, cpu_request_milli=250, memory="32Mi", **kw)
-
-
-@pytest.fixture
-def daemon(containerd, tmp_path):
-    process = Daemon(containerd.nri_socket, tmp_path / "state")
-    process.start()
-    yield process
-    process.stop()
 
 
 def test_born_pinned_with_memory_node_and_no_quota(containerd, cri, daemon):

@@ -7,54 +7,17 @@ unpinned."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 from harness import host
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
+from lock_holder import LockHolder
 
-from e2e.daemon import REPO, Daemon, check_agreement, wait_for
+from e2e.daemon import check_agreement, wait_for
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
-
-
-class LockHolder:
-    """Another nri-cpuplugin process holding the state lock (``state.lock`` in the state
-    directory, storage/lock.py), as the OCI hook or the CLI would, until ``release``."""
-
-    def __init__(self, state_dir) -> None:
-        code = (
-            "import sys\n"
-            "from nri_cpuplugin.storage.store import StateStore\n"
-            "with StateStore(sys.argv[1]).locked(timeout=-1):\n"
-            "    print('held', flush=True)\n"
-            "    sys.stdin.readline()\n"
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(state_dir)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        assert self.proc.stdout.readline() == "held\n"
-
-    def release(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("\n")
-            self.proc.stdin.close()
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def daemon(containerd, tmp_path):
-    process = Daemon(containerd.nri_socket, tmp_path / "state")
-    process.start()
-    yield process
-    process.stop()
 
 
 def test_a_held_state_lock_is_answered_in_time_not_left_to_the_runtime(containerd, cri, daemon):

@@ -46,14 +46,6 @@ def burstable(name: str) -> ContainerSpec:
     return ContainerSpec(name, cpu_request_milli=250, memory="32Mi")
 
 
-@pytest.fixture
-def daemon(containerd, tmp_path):
-    process = Daemon(containerd.nri_socket, tmp_path / "state")
-    process.start()
-    yield process
-    process.stop()
-
-
 def live(cri, cid: str) -> tuple[str, str, str]:
     """(cgroup cpuset.cpus, the process's cpuset cgroup, its Cpus_allowed_list)."""
     path = cri.cgroup_path(cid)

@@ -78,14 +78,6 @@ def _cpu_restored() -> Iterator[None]:
     restore_cpu()
 
 
-@pytest.fixture
-def daemon(containerd: Containerd, tmp_path) -> Iterator[Daemon]:
-    process = Daemon(containerd.nri_socket, tmp_path / "state")
-    process.start()
-    yield process
-    process.stop()
-
-
 def burstable(name: str) -> ContainerSpec:
     return ContainerSpec(name, cpu_request_milli=250, memory="32Mi")
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from fake_runtime import FakeRuntime
+from lock_holder import LockHolder
 from nri_messages import container, pod
 from topologies import build
 
@@ -54,33 +53,6 @@ def make(tmp_path, budget: float = BUDGET, cls=DeadlinePlugin, state: str = "sta
         nri_request_budget=budget,
     )
     return cls(settings, Audit(records)), records
-
-
-class LockHolder:
-    """Another nri-cpuplugin process holding the state lock (storage/lock.py, as the hook or
-    the CLI would), until ``release``."""
-
-    def __init__(self, state_dir: str) -> None:
-        code = (
-            "import sys\n"
-            "from nri_cpuplugin.storage.store import StateStore\n"
-            "with StateStore(sys.argv[1]).locked(timeout=-1):\n"
-            "    print('held', flush=True)\n"
-            "    sys.stdin.readline()\n"
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, state_dir],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout.readline() == "held\n"
-
-    def release(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("\n")
-            self.proc.stdin.flush()
-            self.proc.wait(10)
 
 
 @pytest.fixture
