@@ -60,7 +60,8 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage.store import CommitTiming, StateStore
-from .plugin import CPUPlugin, _fill
+from .plugin import CPUPlugin
+from .targets import fill_cpu
 from .worker import (
     COMMIT,
     DECIDING,
@@ -180,7 +181,7 @@ class DeadlinePlugin(CPUPlugin):
         if not job.abandon(FALLBACK):
             return job.outcome()
         adjust = pb.ContainerAdjustment()
-        _fill(adjust.linux.resources.cpu, target)
+        fill_cpu(adjust.linux.resources.cpu, target)
         self._missed(
             job, budget, f"the shared pool {target.cpus}", workload.identity(), cpus=target.cpus
         )

@@ -1,0 +1,167 @@
+"""How the NRI daemon's targets reach the containers (a part of CPUPlugin, kept apart for
+size): written to their cgroups directly where it can, carried in a reply where it must, and
+owed to the runtime's next reply when no reply is there to carry them - never sent unsolicited
+(docs/architecture.md, "Shared containers on dense nodes" and "Changes outside event
+replies")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..core.cpuset import CPUSet
+from ..core.engine import CFS_PERIOD_US, Target
+from ..hardware import cgroupfs, cpusets
+from ..nri.pb import nri_pb2 as pb
+from ..ops import audit as audit_mod
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+class TargetWriter:
+    """Mixed into CPUPlugin, whose state, engine, liveness and audit it uses (declared here
+    for the reader; CPUPlugin defines them)."""
+
+    state: Any
+    engine: Any
+    liveness: Any
+    audit: Any
+    _owed: set[str]
+
+    def _live_cpus(self, cid: str) -> CPUSet | None:
+        """What the container's cgroup says it runs on; None when that cannot be read."""
+        path = self.state.cgroups.get(cid, "")
+        if not path:
+            return None
+        try:
+            layout = cgroupfs.detect(self.liveness.root)
+            with cgroupfs.CgroupFS(layout) as fs:
+                return fs.cpus(cpusets.cgroup_path(path))
+        except cgroupfs.CgroupError:
+            return None
+
+    def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
+        # ignore_failure: a sibling that exits at this very moment must not fail a creation.
+        update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
+        fill_cpu(update.linux.resources.cpu, target)
+        return update
+
+    def _grow_pod_cgroup(self, target: Target) -> None:
+        """Give the new container's ancestors (its pod's cgroup above all) the CPUs it gets.
+        cgroup v1 gives a CPU that comes back online to no cpuset, and a pod cgroup made while
+        it was offline lacks it for good: the runtime could then never start a container of
+        that pod on it (EACCES writing the container's cpuset).  Only for CPUs that came back
+        (``returned``), so creations pay nothing otherwise; a no-op on cgroup v2."""
+        path = self.state.cgroups.get(target.container_id, "")
+        if not path:
+            return
+        try:
+            layout = cgroupfs.detect(self.liveness.root)
+        except cgroupfs.CgroupError:
+            return
+        errors = cpusets.grow_ancestors(layout, [path], target.cpus)
+        self.audit.emit(cpusets.repair_events({}, errors))
+
+    def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
+        """Move the shared pool's followers by writing their cgroups directly (cpuset, and the
+        CFS quota of degraded or restored containers), before the reply leaves: one file write
+        per container, where each update in a reply costs the runtime one ``runc update``, run
+        one after another, holding up every other pod start.  Returns the targets the runtime
+        must apply after all: no cgroup path, the systemd cgroup driver (systemd re-applies a unit's
+        AllowedCPUs on daemon-reload, so its runtime must know), or a failed write.
+
+        The runtime's stored spec of a container written here lags behind until our reply to
+        its next event, or the next Synchronize, carries its cpuset: docs/architecture.md,
+        "Shared containers on dense nodes"."""
+        direct, runtime = [], []
+        for target in targets:
+            path = self.state.cgroups.get(target.container_id, "")
+            systemd = path.count(":") == 2 and not path.startswith("/")
+            if not path or systemd:
+                runtime.append(target)
+            else:
+                direct.append(target)
+        if direct:
+            try:
+                layout = cgroupfs.detect(self.liveness.root)
+            except cgroupfs.CgroupError:
+                return [*runtime, *direct]
+            writes = [
+                cpusets.Target(
+                    t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
+                )
+                for t in direct
+            ]
+            failed = set(cpusets.move(layout, writes).failed)
+            runtime += [t for t in direct if t.container_id in failed]
+        return runtime
+
+    def _push(self, targets: Iterable[Target], cause: str) -> None:
+        """Apply targets that changed outside any event's reply (CPU hotplug, a removal, a
+        background check, a pod resize): written directly (see _write_followers); what cannot
+        be is owed to the runtime and carried by the next reply that can carry updates
+        (CreateContainer, UpdateContainer, StopContainer, Synchronize).
+
+        Never an unsolicited UpdateContainers.  The runtime serves it holding NRI's adaptation
+        lock while it waits for its own NRI lock; each CRI event takes the same two locks in
+        the other order.  Any CRI call entering NRI at that moment - UpdateContainerResources,
+        StopPodSandbox, anything - deadlocks containerd for good, on every release before NRI
+        0.12.1 (docs/architecture.md, "Changes outside event replies")."""
+        targets = list(targets)
+        if not targets:
+            return
+        owed = {t.container_id for t in self._write_followers(targets)}
+        self._owed |= owed
+        written = [t.container_id for t in targets if t.container_id not in owed]
+        self.audit.record(
+            "outside-reply",
+            f"{len(targets)} containers changed outside an event reply ({cause}): "
+            f"{len(written)} written directly"
+            + (f", {len(owed)} left for the runtime's next event" if owed else ""),
+            audit_mod.INFO,
+            cause=cause,
+            container_ids=",".join(t.container_id for t in targets),
+            written=len(written),
+            owed=len(owed),
+        )
+
+    def _carry_owed(self, carried: Iterable[str]) -> list[pb.ContainerUpdate]:
+        """The owed updates (see _push) for a reply, as of the current state; ``carried``
+        names the containers this reply already deals with (or must not list).  Each goes out
+        once: a container that ended meanwhile only makes the runtime log a failure."""
+        if not self._owed:
+            return []
+        owed, self._owed = self._owed - set(carried), set()
+        return [
+            self._update(t)
+            for cid in sorted(owed)
+            for t in self.engine.update(self.state, cid).targets
+        ]
+
+
+def fill_cpu(cpu: pb.LinuxCPU, target: Target) -> None:
+    cpu.cpus = str(target.cpus)
+    if target.mems:
+        cpu.mems = str(target.mems)
+    if target.quota is not None:
+        cpu.quota.value = target.quota
+        if target.quota >= 0:
+            cpu.period.value = CFS_PERIOD_US
+
+
+def spec_agrees(container: pb.Container, target: Target) -> bool:
+    """Whether the runtime's stored spec of the container already says what ``target`` does."""
+    cpu = container.linux.resources.cpu
+    if cpus_of(container) != target.cpus:
+        return False
+    if target.mems is not None and cpu.mems.strip() != str(target.mems):
+        return False
+    return target.quota is None or (cpu.HasField("quota") and cpu.quota.value == target.quota)
+
+
+def cpus_of(container: pb.Container) -> CPUSet:
+    try:
+        return CPUSet.parse(container.linux.resources.cpu.cpus)
+    except ValueError:
+        return CPUSet()
