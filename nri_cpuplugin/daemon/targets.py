@@ -6,6 +6,8 @@ replies")."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
@@ -13,6 +15,8 @@ from ..core.engine import CFS_PERIOD_US, Target
 from ..hardware import cgroupfs, cpusets
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
+
+log = logging.getLogger("nri_cpuplugin")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -93,8 +97,15 @@ class TargetWriter:
                 )
                 for t in direct
             ]
+            started = time.perf_counter()
             failed = set(cpusets.move(layout, writes).failed)
             runtime += [t for t in direct if t.container_id in failed]
+            log.debug(
+                "wrote the cgroups of %d containers in %.2f ms; %d left to the runtime",
+                len(direct) - len(failed),
+                (time.perf_counter() - started) * 1000,
+                len(runtime),
+            )
         return runtime
 
     def _push(self, targets: Iterable[Target], cause: str) -> None:
