@@ -183,11 +183,8 @@ class HotplugEvents:
             loop.call_later(delay, self._recheck_evictions, cids)
 
     def _recheck_evictions(self, cids: list[str]) -> None:
-        try:
-            layout = cgroupfs.detect(self.liveness.root)
-        except cgroupfs.CgroupError:
-            return
-        if layout.version != cgroupfs.V1:
+        layout = self.liveness.layout()
+        if layout is None or layout.version != cgroupfs.V1:
             return
         with cgroupfs.CgroupFS(layout) as fs:
             for cid in cids:

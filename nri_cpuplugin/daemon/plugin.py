@@ -373,7 +373,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         [*targets] = self.engine.update(self.state, container.id).targets
         if not targets:
             return
-        live = self._live_cpus(container.id)
+        live = self.liveness.cpus(self.state.cgroups.get(container.id, ""))
         created = cpus_of(container) if live is None else live
         if created != targets[0].cpus:
             self.audit.record(

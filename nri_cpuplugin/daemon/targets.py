@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Target
-from ..hardware import cgroupfs, cpusets
+from ..hardware import cpusets
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 
@@ -33,18 +33,6 @@ class TargetWriter:
     audit: Any
     _owed: set[str]
 
-    def _live_cpus(self, cid: str) -> CPUSet | None:
-        """What the container's cgroup says it runs on; None when that cannot be read."""
-        path = self.state.cgroups.get(cid, "")
-        if not path:
-            return None
-        try:
-            layout = cgroupfs.detect(self.liveness.root)
-            with cgroupfs.CgroupFS(layout) as fs:
-                return fs.cpus(cpusets.cgroup_path(path))
-        except cgroupfs.CgroupError:
-            return None
-
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
@@ -60,9 +48,8 @@ class TargetWriter:
         path = self.state.cgroups.get(target.container_id, "")
         if not path:
             return
-        try:
-            layout = cgroupfs.detect(self.liveness.root)
-        except cgroupfs.CgroupError:
+        layout = self.liveness.layout()
+        if layout is None:
             return
         errors = cpusets.grow_ancestors(layout, [path], target.cpus)
         self.audit.emit(cpusets.repair_events({}, errors))
@@ -87,9 +74,8 @@ class TargetWriter:
             else:
                 direct.append(target)
         if direct:
-            try:
-                layout = cgroupfs.detect(self.liveness.root)
-            except cgroupfs.CgroupError:
+            layout = self.liveness.layout()
+            if layout is None:
                 return [*runtime, *direct]
             writes = [
                 cpusets.Target(

@@ -42,6 +42,25 @@ class Liveness:
     def __init__(self, root: str = cgroupfs.DEFAULT_ROOT) -> None:
         self.root = root
 
+    def layout(self) -> cgroupfs.Layout | None:
+        """The cgroup hierarchy below ``root``; None when there is none (a generated sysfs
+        tree in tests, a missing mount): nothing to read or write then."""
+        try:
+            return cgroupfs.detect(self.root)
+        except cgroupfs.CgroupError:
+            return None
+
+    def cpus(self, runtime_path: str) -> CPUSet | None:
+        """What the container's cgroup says it runs on; None when that cannot be read."""
+        layout = self.layout() if runtime_path else None
+        if layout is None:
+            return None
+        try:
+            with cgroupfs.CgroupFS(layout) as fs:
+                return fs.cpus(cgroup_path(runtime_path))
+        except cgroupfs.CgroupError:
+            return None
+
     def alive(self, runtime_path: str) -> bool | None:
         """True/False when the cgroup says so; None when it cannot be told (no path, odd
         path, unreadable mount): the caller must then keep what it has."""

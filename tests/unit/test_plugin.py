@@ -295,6 +295,12 @@ class CountingLiveness:
         self.asked += 1
         return True
 
+    def layout(self) -> None:
+        return None  # no cgroups to write
+
+    def cpus(self, runtime_path: str) -> None:
+        return None
+
 
 def test_unverified_containers_cost_a_creation_nothing(node, tmp_path):
     """1,000 containers known only from the state file (a restart without Synchronize): a
