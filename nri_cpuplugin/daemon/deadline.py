@@ -160,11 +160,7 @@ class DeadlinePlugin(CPUPlugin):
             return job.outcome()
         workload = from_nri(pod, container)
         job.subject = describe(workload)
-        try:
-            exclusive = self.policy.eligibility(workload)[0] is not None
-        except PolicyError:
-            exclusive = True  # refused by its annotations: no answer but an error is right
-        if exclusive:
+        if self._eligible(workload):
             if not job.abandon(ERROR):
                 return job.outcome()
             self.metrics.pinning_request()
@@ -444,6 +440,8 @@ class DeadlinePlugin(CPUPlugin):
         return DECIDING, "deciding"
 
     def _eligible(self, workload: Workload) -> bool:
+        """An exclusive candidate; so is one its annotations make the policy refuse (no answer
+        but an error is right for it)."""
         try:
             return self.policy.eligibility(workload)[0] is not None
         except PolicyError:
