@@ -88,6 +88,13 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
+        # Shared containers whose cgroup asks for no scheduler domain of its own any more,
+        # which halves the cost of each write (hardware/cpusets.stop_balancing).
+        self._unbalanced: set[str] = set()
+        # Whether the runtime listed its containers on this connection (Synchronize), as it
+        # then does at every connection: an exclusive assignment a crash kept from the state
+        # file comes back from that list, so it may be committed after the answer.
+        self.runtime_lists = False
         # CPUs that came back online while we ran (all online CPUs after a change while we
         # were down): cgroup v1 gave them to no cgroup made while they were offline.
         self.returned = CPUSet()
@@ -284,6 +291,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
             )
         self.unverified.clear()
+        self.runtime_lists = True
+        self._unbalanced &= specs.keys()
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
@@ -315,34 +324,65 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        """Decide, answer, then apply.  The answer carries the decision (and the siblings the
+        runtime must move itself); the shared siblings' cgroups are written, the state
+        committed and the decision audited after it, while the runtime goes on creating the
+        container (``_answer``).  An exclusive assignment is committed before the answer
+        unless the runtime lists its containers at every connection (Synchronize), which
+        restores one that a crash kept from the state file (engine.reconcile adopts it)."""
         workload = from_nri(pod, container)
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
             locality = self._nic_locality(pod, workload)
             with self.store.locked():
-                outcome = self._create(workload, locality)
+                outcome, committed = self._create(workload, locality)
+                mine, *siblings = outcome.targets
+                if mine.cpus & self.returned:
+                    self._grow_pod_cgroup(mine)
+                adjust = pb.ContainerAdjustment()
+                fill_cpu(adjust.linux.resources.cpu, mine)
+                direct, runtime = self._split_followers(siblings)
+                # The container being created must not be listed: the runtime refuses that.
+                updates = [self._update(t) for t in runtime]
+                updates += self._carry_owed(t.container_id for t in outcome.targets)
+                # False: answered with an error meanwhile; what was committed already is
+                # audited, and released again by the late part (daemon/deadline.py).
+                proceed = self._answer((adjust, updates), writes=bool(direct))
+                if proceed and direct:
+                    try:
+                        self._owed |= {t.container_id for t in self._write_direct(direct)}
+                    finally:
+                        self._written()
+                if proceed and not committed:
+                    self._commit(outcome)
         except PolicyError as err:
             self.metrics.pinning_request()
             self.metrics.pinning_error()
             self.audit.emit([self.engine.refused(workload, err)])
             raise
+        if not (proceed or committed):
+            return adjust, updates
         if outcome.decision is not None and outcome.decision.exclusive:
             self.metrics.pinning_request()
         self.audit.emit(outcome.events)
-        mine, *siblings = outcome.targets
-        if mine.cpus & self.returned:
-            self._grow_pod_cgroup(mine)
-        adjust = pb.ContainerAdjustment()
-        fill_cpu(adjust.linux.resources.cpu, mine)
-        updates = [self._update(t) for t in self._write_followers(siblings)]
-        # The container being created must not be listed: the runtime refuses that.
-        return adjust, updates + self._carry_owed(t.container_id for t in outcome.targets)
+        return adjust, updates
 
-    def _create(self, workload: Workload, locality: nic.Locality | None) -> Outcome:
-        """Decide and commit (the caller holds the lock).  When there is no room, containers
-        known only from the state file may have ended unseen: those holding exclusive CPUs
-        are checked, and the request is decided again.  Only then - so a creation never pays
-        for checking every container a restart left unverified."""
+    def _answer(self, reply: object, writes: bool) -> bool:
+        """Hand the reply to the runtime before the rest of the creation is done (``writes``:
+        cgroup writes follow); False when the request was answered with an error meanwhile,
+        and nothing more may be done.  Here (no worker) the reply goes when the handler
+        returns."""
+        return True
+
+    def _written(self) -> None:
+        """The writes announced by ``_answer(writes=True)`` are done."""
+
+    def _create(self, workload: Workload, locality: nic.Locality | None) -> tuple[Outcome, bool]:
+        """Decide (the caller holds the lock), and commit first where the answer must wait
+        for the commit: (outcome, committed).  When there is no room, containers known only
+        from the state file may have ended unseen: those holding exclusive CPUs are checked,
+        and the request is decided again.  Only then - so a creation never pays for checking
+        every container a restart left unverified."""
         preference = locality.preference if locality else None
         note = locality.note if locality else None
         try:
@@ -352,8 +392,10 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 raise
             outcome = self.engine.create(self.state, workload, preference, note, self.pinned)
         exclusive = outcome.decision is not None and outcome.decision.exclusive
+        if not exclusive or self.runtime_lists:
+            return outcome, False
         try:
-            return self._commit(outcome, durable=exclusive)
+            return self._commit(outcome, durable=True), True
         except OSError as err:
             raise PolicyError(
                 f"exclusive CPUs {outcome.decision.cpus} for {workload.pod_namespace}/"
@@ -369,10 +411,15 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         and no write could reach it then (it had no cgroup yet; the runtime may even have
         taken the update into its spec after the cgroup was made from the old one): its cgroup
         is read, and written if it says anything else, so it never runs on the exclusive CPUs.
-        One read for every other container."""
+        One read for every other container.
+
+        A shared container's cgroup also stops asking for a scheduler domain of its own here,
+        where it costs its own start a write, not a later exclusive creation."""
         [*targets] = self.engine.update(self.state, container.id).targets
         if not targets:
             return
+        if container.id in self.state.sharing:
+            self._stop_balancing(container.id)
         live = self.liveness.cpus(self.state.cgroups.get(container.id, ""))
         created = cpus_of(container) if live is None else live
         if created != targets[0].cpus:
@@ -435,6 +482,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
         # and the siblings hear about it right after this event.
+        self._unbalanced.discard(container.id)
         with self.store.locked():
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)
@@ -491,6 +539,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         return sorted({*held, *sharing})
 
     def connection_lost(self) -> None:
+        self.runtime_lists = False
         self.metrics.set_connected(False)
         self.audit.record("disconnect", "lost the connection to the runtime", audit_mod.WARNING)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Target
-from ..hardware import cpusets
+from ..hardware import cgroupfs, cpusets
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 
@@ -32,6 +32,7 @@ class TargetWriter:
     liveness: Any
     audit: Any
     _owed: set[str]
+    _unbalanced: set[str]
 
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
@@ -56,43 +57,64 @@ class TargetWriter:
 
     def _write_followers(self, targets: Iterable[Target]) -> list[Target]:
         """Move the shared pool's followers by writing their cgroups directly (cpuset, and the
-        CFS quota of degraded or restored containers), before the reply leaves: one file write
-        per container, where each update in a reply costs the runtime one ``runc update``, run
-        one after another, holding up every other pod start.  Returns the targets the runtime
-        must apply after all: no cgroup path, the systemd cgroup driver (systemd re-applies a unit's
-        AllowedCPUs on daemon-reload, so its runtime must know), or a failed write.
+        CFS quota of degraded or restored containers): one file write per container, where
+        each update in a reply costs the runtime one ``runc update``, run one after another,
+        holding up every other pod start.  Returns the targets the runtime must apply after
+        all (see ``_split_followers``, and the writes that failed).
 
         The runtime's stored spec of a container written here lags behind until our reply to
         its next event, or the next Synchronize, carries its cpuset: docs/architecture.md,
         "Shared containers on dense nodes"."""
+        direct, runtime = self._split_followers(targets)
+        return runtime + self._write_direct(direct)
+
+    def _split_followers(self, targets: Iterable[Target]) -> tuple[list[Target], list[Target]]:
+        """(written here, applied by the runtime): the runtime applies those without a cgroup
+        path, under the systemd cgroup driver (systemd re-applies a unit's AllowedCPUs on
+        daemon-reload, so its runtime must know), or when no cgroupfs is found."""
         direct, runtime = [], []
         for target in targets:
             path = self.state.cgroups.get(target.container_id, "")
-            systemd = path.count(":") == 2 and not path.startswith("/")
-            if not path or systemd:
-                runtime.append(target)
-            else:
-                direct.append(target)
-        if direct:
-            layout = self.liveness.layout()
-            if layout is None:
-                return [*runtime, *direct]
-            writes = [
-                cpusets.Target(
-                    t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
-                )
-                for t in direct
-            ]
-            started = time.perf_counter()
-            failed = set(cpusets.move(layout, writes).failed)
-            runtime += [t for t in direct if t.container_id in failed]
-            log.debug(
-                "wrote the cgroups of %d containers in %.2f ms; %d left to the runtime",
-                len(direct) - len(failed),
-                (time.perf_counter() - started) * 1000,
-                len(runtime),
+            (direct if _cgroupfs_path(path) else runtime).append(target)
+        if direct and self.liveness.layout() is None:
+            return [], runtime + direct
+        return direct, runtime
+
+    def _write_direct(self, direct: list[Target]) -> list[Target]:
+        """Write ``direct`` (from ``_split_followers``); returns those whose write failed."""
+        if not direct:
+            return []
+        writes = [
+            cpusets.Target(
+                t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
             )
-        return runtime
+            for t in direct
+        ]
+        layout = self.liveness.layout()
+        if layout is None:  # the mount went away since _split_followers
+            return direct
+        started = time.perf_counter()
+        failed = set(cpusets.move(layout, writes, self._unbalanced).failed)
+        log.debug(
+            "wrote the cgroups of %d containers in %.2f ms; %d failed",
+            len(direct) - len(failed),
+            (time.perf_counter() - started) * 1000,
+            len(failed),
+        )
+        return [t for t in direct if t.container_id in failed]
+
+    def _stop_balancing(self, cid: str) -> None:
+        """See hardware/cpusets.stop_balancing; once per container, cgroup v1 only."""
+        path = self.state.cgroups.get(cid, "")
+        layout = (
+            self.liveness.layout() if _cgroupfs_path(path) and cid not in self._unbalanced else None
+        )
+        if layout is None or layout.version != cgroupfs.V1:
+            return
+        with cgroupfs.CgroupFS(layout) as fs:
+            if cpusets.root_balances(fs):
+                cpusets.stop_balancing(fs, path)
+                self._unbalanced.add(cid)
 
     def _push(self, targets: Iterable[Target], cause: str) -> None:
         """Apply targets that changed outside any event's reply (CPU hotplug, a removal, a
@@ -135,6 +157,11 @@ class TargetWriter:
             for cid in sorted(owed)
             for t in self.engine.update(self.state, cid).targets
         ]
+
+
+def _cgroupfs_path(path: str) -> bool:
+    """A cgroupsPath of the cgroupfs driver (the systemd driver's is slice:prefix:name)."""
+    return bool(path) and (path.startswith("/") or path.count(":") != 2)
 
 
 def fill_cpu(cpu: pb.LinuxCPU, target: Target) -> None:

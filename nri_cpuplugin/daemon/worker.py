@@ -58,6 +58,7 @@ class Job:
         "args",
         "awaited",
         "deciding",
+        "delivered",
         "done",
         "error",
         "fn",
@@ -89,6 +90,7 @@ class Job:
         # the job then does nothing it has not done yet.
         self.refusable = False
         self.deciding = False  # running its function (not its late part, which must finish)
+        self.delivered = False  # its result went to the handler before its function returned
         self.submitted = time.monotonic()
         self.phase = QUEUED
         self.result: Any = None
@@ -200,6 +202,29 @@ class Worker:
             return None
         return self.current
 
+    def deliver(self, result: Any) -> bool:
+        """Called by the running job: hand ``result`` to its handler now and go on with the
+        rest of the job (what the answer does not wait for: applying it, committing it).
+        False when the request was answered without it already (its ``late`` runs when the
+        job ends).  The next job still starts only when this one has ended."""
+        job = self.current
+        assert job is not None and self.job_here() is job, "deliver() outside a running job"
+        job.result = result
+        job.delivered = True
+        in_time = self._complete(job)
+        # The handler's thread waits on this CPU (see the class docstring): let it send the
+        # answer now rather than when the rest of the job first blocks.
+        os.sched_yield()
+        return in_time
+
+    def _complete(self, job: Job) -> bool:
+        """Wake whoever waits for ``job``; whether it ended before its request was answered."""
+        in_time, waiter = job._finish()
+        job.done.release()
+        if in_time and job.awaited and waiter is not None:
+            _call_soon(job.loop, _resolve, waiter, True)
+        return in_time
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
@@ -208,12 +233,17 @@ class Worker:
             job.deciding = True
             try:
                 job.abandoned_check()
-                job.result = job.fn(*job.args)
+                result = job.fn(*job.args)
+                if not job.delivered:
+                    job.result = result
             except Exception as err:
-                job.error = err
+                if job.delivered and not job.answer:
+                    # Its answer went out in time: nobody else will hear of this failure.
+                    log.exception("%s failed after its answer", job.name)
+                else:
+                    job.error = err
             job.deciding = False
-            in_time, waiter = job._finish()
-            job.done.release()
+            in_time = (not job.answer) if job.delivered else self._complete(job)
             if not in_time and job.late is not None:
                 try:
                     job.late(job)
@@ -222,8 +252,6 @@ class Worker:
             self.current = None
             if not job.awaited and job.error is not None:
                 log.error("%s failed: %s", job.name, job.error)
-            if in_time and job.awaited and waiter is not None:
-                _call_soon(job.loop, _resolve, waiter, True)
 
     async def finished(self, job: Job, budget: float | None) -> bool:
         """Whether ``job`` ended within ``budget`` seconds of its submission (None: no limit,
@@ -254,6 +282,41 @@ class Worker:
         finally:
             if timer is not None:
                 timer.cancel()
+
+
+class Pending:
+    """Work a job announced with its early answer and does afterwards (``Worker.deliver``),
+    for a later request that must not be answered before it is done."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._count = 0
+        self._waiters: list[asyncio.Future[bool]] = []
+
+    def begin(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count:
+                return
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            _call_soon(waiter.get_loop(), _resolve, waiter, True)
+
+    async def wait(self, budget: float) -> bool:
+        """Whether everything begun so far ended within ``budget`` seconds; call from the loop."""
+        with self._lock:
+            if not self._count:
+                return True
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, budget)
+        except TimeoutError:
+            return False
 
 
 def _cpu_getter() -> Callable[[], int]:

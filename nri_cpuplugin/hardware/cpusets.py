@@ -121,7 +121,9 @@ def apply(
     return Applied(errors, failed, returned)
 
 
-def move(layout: cgroupfs.Layout, targets: Iterable[Target]) -> Applied:
+def move(
+    layout: cgroupfs.Layout, targets: Iterable[Target], unbalanced: set[str] | None = None
+) -> Applied:
     """Move shared containers to a new pool: ``apply`` without repairs, for the common case.
 
     A shared container's cgroup is normally a leaf whose ancestors kubelet left whole, so one
@@ -130,15 +132,47 @@ def move(layout: cgroupfs.Layout, targets: Iterable[Target]) -> Applied:
     cgroup with cgroups nested below it (its directory's link count says so, without listing
     it), a refused write (cgroup v1: an ancestor lacks the CPUs, or a child still uses CPUs
     being removed), a set the kernel did not apply as written (cgroup v2), or a target with
-    memory nodes or a CFS quota goes through ``apply``, which handles each of those."""
+    memory nodes or a CFS quota goes through ``apply``, which handles each of those.
+
+    ``unbalanced``: the containers whose cgroup no longer asks for a scheduler domain of its
+    own (see ``stop_balancing``); those written first are added to it."""
     general: list[Target] = []
     with cgroupfs.CgroupFS(layout) as fs:
+        if unbalanced is not None and not root_balances(fs):
+            unbalanced = None
         for target in targets:
+            if unbalanced is not None and target.container_id not in unbalanced:
+                stop_balancing(fs, target.runtime_path)
+                unbalanced.add(target.container_id)
             if target.mems or target.quota is not None or not _write_leaf(fs, target):
                 general.append(target)
     if not general:
         return Applied([], [], {})
     return apply(layout, general, repair=False)
+
+
+def root_balances(fs: cgroupfs.CgroupFS) -> bool:
+    """cgroup v1: whether the root cpuset load-balances every CPU (the default): the kernel
+    then keeps one scheduler domain over all CPUs whatever the cgroups below ask for."""
+    if fs.layout.version != cgroupfs.V1:
+        return False
+    try:
+        return fs.read("cpuset", "/", "cpuset.sched_load_balance") == "1"
+    except cgroupfs.CgroupError:
+        return False
+
+
+def stop_balancing(fs: cgroupfs.CgroupFS, runtime_path: str) -> None:
+    """cgroup v1, where the root balances: clear the container cgroup's
+    ``cpuset.sched_load_balance``.  It changes nothing for the scheduler (the root's domain
+    covers every CPU), but while it is set every write of the cgroup's ``cpuset.cpus`` makes
+    the kernel rebuild the scheduler domains: about half of each write's cost, paid once per
+    shared container every time an exclusive container comes or goes.  A failure (the cgroup
+    is gone, say) is left to the cpuset write that follows."""
+    try:
+        fs.write("cpuset", cgroup_path(runtime_path), "cpuset.sched_load_balance", "0")
+    except cgroupfs.CgroupError:
+        return  # (no contextlib: the OCI hook may load this module)
 
 
 def _write_leaf(fs: cgroupfs.CgroupFS, target: Target) -> bool:

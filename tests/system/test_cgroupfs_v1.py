@@ -176,6 +176,29 @@ def test_move_shrinks_and_grows_leaves_and_what_nests_below(box: CgroupSandbox) 
     }  # fmt: skip
 
 
+def test_move_stops_each_leaf_asking_for_a_scheduler_domain_once(box: CgroupSandbox) -> None:
+    """The root balances every CPU, so a leaf's sched_load_balance changes nothing for the
+    scheduler - but while it is set, each write of the leaf's CPUs rebuilds the kernel's
+    scheduler domains.  The daemon clears it the first time it moves a container, and never
+    again (it keeps the set of containers done)."""
+    from nri_cpuplugin.hardware import cpusets
+
+    assert _read(Path("/sys/fs/cgroup/cpuset"), "cpuset.sched_load_balance") == "1"
+    leaf = f"{box.top}/kubepods/burstable/pe/ctr"
+    box.make_cgroup(leaf)
+    layout = cgroupfs.detect()
+    target = cpusets.Target("e" * 64, leaf, C("0"))
+    assert cpusets.move(layout, [target]) == cpusets.Applied([], [], {})
+    assert _read(box.cpuset_dir(leaf), "cpuset.sched_load_balance") == "1"  # not asked to
+    done: set[str] = set()
+    assert cpusets.move(layout, [target], done) == cpusets.Applied([], [], {})
+    assert _read(box.cpuset_dir(leaf), "cpuset.sched_load_balance") == "0"
+    assert done == {"e" * 64} and _read(box.cpuset_dir(leaf), "cpuset.cpus") == "0"
+    _write(box.cpuset_dir(leaf), "cpuset.sched_load_balance", "1")
+    assert cpusets.move(layout, [target.evolve(cpus=C(f"0-{LAST}"))], done).failed == []
+    assert _read(box.cpuset_dir(leaf), "cpuset.sched_load_balance") == "1"  # once only
+
+
 def test_move_reports_a_container_whose_cgroup_is_gone(box: CgroupSandbox) -> None:
     from nri_cpuplugin.hardware import cpusets
 

@@ -1,6 +1,7 @@
 """A full disk under the state directory (a small tmpfs in a private mount namespace): shared
-containers keep starting, exclusive CPUs are refused with the file named, nothing is left
-behind, and a daemon restarted on it does not write (or fail) when nothing changed."""
+containers keep starting, exclusive CPUs are refused with the file named (until the runtime
+has listed its containers to the daemon), nothing is left behind, and a daemon restarted on
+it does not write (or fail) when nothing changed."""
 
 from __future__ import annotations
 
@@ -88,8 +89,13 @@ def test_daemon_on_a_full_disk(tmp_path) -> None:
             refusal = None
         except PolicyError as err:
             refusal = [err.code, str(err)]
+        # Once the runtime has listed its containers (as it does at every reconnection), an
+        # exclusive assignment a crash kept from the disk comes back from that list: granted.
+        restarted.synchronize([web, api, db], [])
+        granted, _ = restarted.create_container(db, container("postgres", db, 2000))
         return {
             "shared_cpus": adjust.linux.resources.cpu.cpus,
+            "granted": granted.linux.resources.cpu.cpus,
             "refusal": refusal,
             "actions": [r["ACTION"] for r in records],
             "leftovers": leftovers(state_dir),
@@ -100,4 +106,6 @@ def test_daemon_on_a_full_disk(tmp_path) -> None:
     code, message = seen["refusal"]
     assert code == "not-durable" and "state.json" in message and "No space left" in message
     assert "state-unsaved" in seen["actions"] and "refuse" in seen["actions"]
+    after = seen["actions"][seen["actions"].index("refuse") + 1 :]
+    assert seen["granted"] == "1,25" and "allocate" in after and "state-unsaved" in after
     assert seen["leftovers"] == []

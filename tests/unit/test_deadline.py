@@ -21,6 +21,7 @@ from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.daemon.deadline import DeadlinePlugin
 from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.nri.handlers import EVENT_BITS
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.nri.stub import Stub
 from nri_cpuplugin.ops.audit import Audit
@@ -146,8 +147,10 @@ def test_the_budget_is_kept_below_the_runtimes_own_timeout(tmp_path):
     plugin.stub.request_timeout = 1.0  # a runtime configured for 1 s (Configure field 5)
     assert plugin.budget == 0.75
     assert plugin.stub.request_timeout * 0.9 > plugin.budget  # the stub's guard comes later
-    # The stub takes the plugin as it is: the same subscription as CPUPlugin's.
-    assert plugin.stub.events == Stub(make(tmp_path, cls=CPUPlugin)[0], "x", "50").events
+    # The stub takes the plugin as it is: CPUPlugin's subscription, and PostCreateContainer,
+    # which waits for the cgroup writes a creation does after its answer.
+    base = Stub(make(tmp_path, cls=CPUPlugin)[0], "x", "50").events
+    assert plugin.stub.events == base | EVENT_BITS["post_create_container"]
 
 
 # --- the state lock held by another process -------------------------------------------------
@@ -323,6 +326,7 @@ def test_exclusive_create_whose_commit_is_slow_is_refused_and_released_again(tmp
     async def scenario():
         await plugin.configure("", "containerd", "v2.1.9")
         await plugin.create_container(web, container("nginx", web, 500))
+        assert await plugin.drain()  # its commit follows its answer
         disk = SlowDisk(monkeypatch)
         err, elapsed = await timed(plugin.create_container(db, container("pg", db, 2000)))
         assert isinstance(err, PolicyError) and elapsed < BUDGET + SLACK
@@ -365,8 +369,83 @@ def test_a_shared_create_on_a_slow_disk_gets_the_pool_and_is_kept(tmp_path, monk
         assert await plugin.drain()
 
     asyncio.run(scenario())
-    assert records.of("deadline")[0]["REASON"] == "commit"
+    assert not records.of("deadline")  # answered before the commit, which did not hold it up
     assert CID["nginx"] in plugin.state.sharing and CID["nginx"] in on_disk(plugin).sharing
+
+
+def test_once_the_runtime_lists_its_containers_an_exclusive_answer_does_not_wait_for_the_disk(
+    tmp_path, monkeypatch
+):
+    """After a Synchronize the runtime lists its containers at every connection, and a crash
+    before the commit is repaired from that list (the container is adopted on its CPUs): the
+    exclusive creation is answered at once, and committed after the answer."""
+    plugin, records = make(tmp_path)
+    db = pod("db")
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        disk = SlowDisk(monkeypatch)
+        (adjust, _), elapsed = await timed(plugin.create_container(db, container("pg", db, 2000)))
+        assert elapsed < BUDGET and adjust.linux.resources.cpu.cpus == "1,25"
+        assert disk.entered.wait(5)  # the commit runs after the answer ...
+        assert CID["pg"] not in on_disk(plugin).assignments
+        disk.go()
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert not records.of("deadline")
+    assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")  # ... and completes
+
+
+def test_post_create_waits_for_the_cgroup_writes_that_follow_the_answer(tmp_path, monkeypatch):
+    """The shared containers a creation moves are written after its answer, while the runtime
+    goes on creating the container; PostCreateContainer - the last thing before the runtime's
+    CreateContainer returns - is answered only once they are done, or when the budget runs
+    out (audited)."""
+    plugin, records = make(tmp_path)
+    gate, writing = threading.Event(), threading.Event()
+
+    def split(targets):
+        return list(targets), []  # as if every sibling had a cgroupfs path
+
+    def write(direct):
+        writing.set()
+        gate.wait(30)
+        return []
+
+    monkeypatch.setattr(plugin, "_split_followers", split)
+    monkeypatch.setattr(plugin, "_write_direct", write)
+    web, db, big = pod("web", "burstable"), pod("db"), pod("big")
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.create_container(web, container("nginx", web, 500))
+        await plugin.post_create_container(web, container("nginx", web, 500))  # nothing pending
+        (adjust, updates), elapsed = await timed(
+            plugin.create_container(db, container("pg", db, 2000))
+        )
+        assert elapsed < BUDGET and adjust.linux.resources.cpu.cpus == "1,25" and not updates
+        assert writing.wait(5)
+        waiting = asyncio.create_task(plugin.post_create_container(db, container("pg", db, 2000)))
+        await asyncio.sleep(BUDGET / 3)
+        assert not waiting.done()
+        gate.set()
+        await asyncio.wait_for(waiting, BUDGET)
+        assert not records.of("deadline")
+        gate.clear()
+        writing.clear()
+        await plugin.create_container(big, container("big", big, 2000))
+        assert writing.wait(5)
+        _, elapsed = await timed(plugin.post_create_container(big, container("big", big, 2000)))
+        assert BUDGET <= elapsed < BUDGET + SLACK
+        gate.set()
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    [missed] = records.of("deadline")
+    assert missed["EVENT"] == "PostCreateContainer" and missed["REASON"] == "cgroup-writes"
+    assert set(on_disk(plugin).assignments) == {CID["pg"], CID["big"]}
 
 
 # --- through the real stub, as the runtime sees it ---------------------------------------------
@@ -447,6 +526,7 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
                 (CID["nginx"], pool)
             ]
             assert runtime.connections == 1
+            assert await plugin.drain()  # the commit follows the answer
         finally:
             stub.stop()
             await runtime.close()
