@@ -337,14 +337,17 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
             with self.store.locked():
                 outcome, committed = self._create(workload, locality)
                 mine, *siblings = outcome.targets
+                # As decided, not yet committed: the state the answer speaks for.
                 if mine.cpus & self.returned:
-                    self._grow_pod_cgroup(mine)
+                    self._grow_pod_cgroup(mine, outcome.state)
                 adjust = pb.ContainerAdjustment()
                 fill_cpu(adjust.linux.resources.cpu, mine)
                 direct, runtime = self._split_followers(siblings)
                 # The container being created must not be listed: the runtime refuses that.
                 updates = [self._update(t) for t in runtime]
-                updates += self._carry_owed(t.container_id for t in outcome.targets)
+                updates += self._carry_owed(
+                    (t.container_id for t in outcome.targets), outcome.state
+                )
                 # False: answered with an error meanwhile; what was committed already is
                 # audited, and released again by the late part (daemon/deadline.py).
                 proceed = self._answer((adjust, updates), writes=bool(direct))

@@ -40,13 +40,13 @@ class TargetWriter:
         fill_cpu(update.linux.resources.cpu, target)
         return update
 
-    def _grow_pod_cgroup(self, target: Target) -> None:
+    def _grow_pod_cgroup(self, target: Target, state: Any = None) -> None:
         """Give the new container's ancestors (its pod's cgroup above all) the CPUs it gets.
         cgroup v1 gives a CPU that comes back online to no cpuset, and a pod cgroup made while
         it was offline lacks it for good: the runtime could then never start a container of
         that pod on it (EACCES writing the container's cpuset).  Only for CPUs that came back
         (``returned``), so creations pay nothing otherwise; a no-op on cgroup v2."""
-        path = self.state.cgroups.get(target.container_id, "")
+        path = (self.state if state is None else state).cgroups.get(target.container_id, "")
         if not path:
             return
         layout = self.liveness.layout()
@@ -145,8 +145,9 @@ class TargetWriter:
             owed=len(owed),
         )
 
-    def _carry_owed(self, carried: Iterable[str]) -> list[pb.ContainerUpdate]:
-        """The owed updates (see _push) for a reply, as of the current state; ``carried``
+    def _carry_owed(self, carried: Iterable[str], state: Any = None) -> list[pb.ContainerUpdate]:
+        """The owed updates (see _push) for a reply, as of ``state`` (default: the committed
+        one); ``carried``
         names the containers this reply already deals with (or must not list).  Each goes out
         once: a container that ended meanwhile only makes the runtime log a failure."""
         if not self._owed:
@@ -155,7 +156,7 @@ class TargetWriter:
         return [
             self._update(t)
             for cid in sorted(owed)
-            for t in self.engine.update(self.state, cid).targets
+            for t in self.engine.update(self.state if state is None else state, cid).targets
         ]
 
 
