@@ -197,9 +197,9 @@ class DeadlinePlugin(CPUPlugin):
             return
         self.audit.record(
             "deadline",
-            f"PostCreateContainer of {container.name!r} in pod {pod.namespace}/{pod.name} "
-            f"answered after {budget:g} s while shared containers' cgroups were still being "
-            "written: they leave its CPUs a little later",
+            f"PostCreateContainer of {_subject(pod, container)} answered after {budget:g} s "
+            "while shared containers' cgroups were still being written: they leave its CPUs "
+            "a little later",
             audit_mod.WARNING,
             event="PostCreateContainer",
             reason="cgroup-writes",
@@ -244,23 +244,21 @@ class DeadlinePlugin(CPUPlugin):
     async def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
-        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
         return await self._answered(
-            "StopContainer", super().stop_container, (pod, container), [], subject, container.id
-        )
+            "StopContainer", super().stop_container, (pod, container), [],
+            _subject(pod, container), container.id,
+        )  # fmt: skip
 
     async def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
-        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
         await self._answered(
-            "StartContainer", super().start_container, (pod, container), None, subject,
-            container.id,
+            "StartContainer", super().start_container, (pod, container), None,
+            _subject(pod, container), container.id,
         )  # fmt: skip
 
     async def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
-        subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
         await self._answered(
-            "RemoveContainer", super().remove_container, (pod, container), None, subject,
-            container.id,
+            "RemoveContainer", super().remove_container, (pod, container), None,
+            _subject(pod, container), container.id,
         )  # fmt: skip
 
     async def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
@@ -398,7 +396,7 @@ class DeadlinePlugin(CPUPlugin):
         if subject == job.name and len(job.args) > 1 and isinstance(job.args[1], pb.Container):
             # Answered by the stub's guard, not by us: named here, off the fast path.
             pod, container = job.args[:2]
-            subject = f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
+            subject = _subject(pod, container)
         self.audit.record(
             "deadline-late",
             f"{job.name} of {subject} ended {late:.2f} s after it was answered with "
@@ -513,6 +511,10 @@ class DeadlinePlugin(CPUPlugin):
         self._sweeping = False
         if more:
             self._sweep_later(loop)
+
+
+def _subject(pod: pb.PodSandbox, container: pb.Container) -> str:
+    return f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
 
 
 def _nothing() -> None:

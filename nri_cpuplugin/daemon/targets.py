@@ -91,7 +91,7 @@ class TargetWriter:
             for t in direct
         ]
         layout = self.liveness.layout()
-        if layout is None:  # the mount went away since _split_followers
+        if layout is None:
             return direct
         started = time.perf_counter()
         failed = set(cpusets.move(layout, writes, self._unbalanced).failed)
@@ -104,17 +104,12 @@ class TargetWriter:
         return [t for t in direct if t.container_id in failed]
 
     def _stop_balancing(self, cid: str) -> None:
-        """See hardware/cpusets.stop_balancing; once per container, cgroup v1 only."""
+        """See hardware/cpusets.stop_balancing (cgroup v1; once per container)."""
         path = self.state.cgroups.get(cid, "")
-        layout = (
-            self.liveness.layout() if _cgroupfs_path(path) and cid not in self._unbalanced else None
-        )
-        if layout is None or layout.version != cgroupfs.V1:
-            return
-        with cgroupfs.CgroupFS(layout) as fs:
-            if cpusets.root_balances(fs):
-                cpusets.stop_balancing(fs, path)
-                self._unbalanced.add(cid)
+        layout = self.liveness.layout()
+        if layout is not None and _cgroupfs_path(path) and cid not in self._unbalanced:
+            with cgroupfs.CgroupFS(layout) as fs:
+                cpusets.stop_balancing(fs, [(cid, path)], self._unbalanced)
 
     def _push(self, targets: Iterable[Target], cause: str) -> None:
         """Apply targets that changed outside any event's reply (CPU hotplug, a removal, a

@@ -137,13 +137,11 @@ def move(
     ``unbalanced``: the containers whose cgroup no longer asks for a scheduler domain of its
     own (see ``stop_balancing``); those written first are added to it."""
     general: list[Target] = []
+    targets = list(targets)
     with cgroupfs.CgroupFS(layout) as fs:
-        if unbalanced is not None and not root_balances(fs):
-            unbalanced = None
+        if unbalanced is not None:
+            stop_balancing(fs, [(t.container_id, t.runtime_path) for t in targets], unbalanced)
         for target in targets:
-            if unbalanced is not None and target.container_id not in unbalanced:
-                stop_balancing(fs, target.runtime_path)
-                unbalanced.add(target.container_id)
             if target.mems or target.quota is not None or not _write_leaf(fs, target):
                 general.append(target)
     if not general:
@@ -151,28 +149,30 @@ def move(
     return apply(layout, general, repair=False)
 
 
-def root_balances(fs: cgroupfs.CgroupFS) -> bool:
-    """cgroup v1: whether the root cpuset load-balances every CPU (the default): the kernel
-    then keeps one scheduler domain over all CPUs whatever the cgroups below ask for."""
-    if fs.layout.version != cgroupfs.V1:
-        return False
-    try:
-        return fs.read("cpuset", "/", "cpuset.sched_load_balance") == "1"
-    except cgroupfs.CgroupError:
-        return False
-
-
-def stop_balancing(fs: cgroupfs.CgroupFS, runtime_path: str) -> None:
-    """cgroup v1, where the root balances: clear the container cgroup's
-    ``cpuset.sched_load_balance``.  It changes nothing for the scheduler (the root's domain
-    covers every CPU), but while it is set every write of the cgroup's ``cpuset.cpus`` makes
-    the kernel rebuild the scheduler domains: about half of each write's cost, paid once per
+def stop_balancing(
+    fs: cgroupfs.CgroupFS, containers: list[tuple[str, str]], done: set[str]
+) -> None:
+    """cgroup v1, where the root cpuset load-balances every CPU (the default): clear
+    ``cpuset.sched_load_balance`` in these (container id, runtime path) cgroups, once each
+    (``done`` keeps the ids).  It changes nothing for the scheduler - the root's one domain
+    covers every CPU - but while it is set, every write of the cgroup's ``cpuset.cpus`` makes
+    the kernel rebuild the scheduler domains: about half of each write's cost, paid for each
     shared container every time an exclusive container comes or goes.  A failure (the cgroup
     is gone, say) is left to the cpuset write that follows."""
+    todo = [(cid, path) for cid, path in containers if cid not in done]
+    if not todo or fs.layout.version != cgroupfs.V1:
+        return
     try:
-        fs.write("cpuset", cgroup_path(runtime_path), "cpuset.sched_load_balance", "0")
+        if fs.read("cpuset", "/", "cpuset.sched_load_balance") != "1":
+            return  # the scheduler is partitioned: these flags would matter
     except cgroupfs.CgroupError:
-        return  # (no contextlib: the OCI hook may load this module)
+        return
+    for cid, path in todo:
+        done.add(cid)
+        try:  # (no contextlib: the OCI hook may load this module)
+            fs.write("cpuset", cgroup_path(path), "cpuset.sched_load_balance", "0")
+        except cgroupfs.CgroupError:
+            continue
 
 
 def _write_leaf(fs: cgroupfs.CgroupFS, target: Target) -> bool:

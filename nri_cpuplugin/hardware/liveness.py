@@ -41,14 +41,19 @@ class Liveness:
 
     def __init__(self, root: str = cgroupfs.DEFAULT_ROOT) -> None:
         self.root = root
+        self._layout: cgroupfs.Layout | None = None
 
     def layout(self) -> cgroupfs.Layout | None:
         """The cgroup hierarchy below ``root``; None when there is none (a generated sysfs
-        tree in tests, a missing mount): nothing to read or write then."""
-        try:
-            return cgroupfs.detect(self.root)
-        except cgroupfs.CgroupError:
-            return None
+        tree in tests, a missing mount): nothing to read or write then.  Found once (about
+        60 us of path lookups, on every event that touches a cgroup otherwise): a node does
+        not change its cgroup mounts under a running daemon.  Not finding one is not kept."""
+        if self._layout is None:
+            try:
+                self._layout = cgroupfs.detect(self.root)
+            except cgroupfs.CgroupError:
+                return None
+        return self._layout
 
     def cpus(self, runtime_path: str) -> CPUSet | None:
         """What the container's cgroup says it runs on; None when that cannot be read."""
@@ -64,10 +69,10 @@ class Liveness:
     def alive(self, runtime_path: str) -> bool | None:
         """True/False when the cgroup says so; None when it cannot be told (no path, odd
         path, unreadable mount): the caller must then keep what it has."""
-        if not runtime_path:
+        layout = self.layout() if runtime_path else None
+        if layout is None:
             return None
         try:
-            layout = cgroupfs.detect(self.root)
             with cgroupfs.CgroupFS(layout) as fs:
                 path = cgroup_path(runtime_path)
                 cgroupfs.split_path(path)  # a malformed path says nothing about liveness

@@ -6,6 +6,7 @@ and 24 reserved), real state directory, real lock; budgets of 0.3 s to keep this
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -90,6 +91,23 @@ class SlowDisk:
 
 def on_disk(plugin) -> object:
     return StateStore(plugin.settings.state_dir).peek().state
+
+
+@contextlib.asynccontextmanager
+async def connected(plugin, socket_path):
+    """A FAKE runtime on ``socket_path`` and the real stub serving ``plugin``, registered."""
+    runtime = FakeRuntime(socket_path)
+    await runtime.start()
+    stub = Stub(plugin, "cpuplugin", "50", socket_path=str(socket_path))
+    plugin.stub = stub
+    served = asyncio.create_task(stub.run())
+    try:
+        await asyncio.wait_for(runtime.registered.wait(), 10)
+        yield runtime, stub
+    finally:
+        stub.stop()
+        await runtime.close()
+        await asyncio.wait_for(served, 5)
 
 
 async def timed(coro):
@@ -469,13 +487,7 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
         return reply, time.monotonic() - started
 
     async def scenario():
-        runtime = FakeRuntime(socket_path)
-        await runtime.start()
-        stub = Stub(plugin, "cpuplugin", "50", socket_path=str(socket_path))
-        plugin.stub = stub
-        served = asyncio.create_task(stub.run())
-        try:
-            await asyncio.wait_for(runtime.registered.wait(), 10)
+        async with connected(plugin, socket_path) as (runtime, stub):
             pg = container("pg", db, 2000)
             reply, _ = await call(
                 runtime, "CreateContainer", pb.CreateContainerRequest(pod=db, container=pg)
@@ -527,10 +539,6 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
             ]
             assert runtime.connections == 1
             assert await plugin.drain()  # the commit follows the answer
-        finally:
-            stub.stop()
-            await runtime.close()
-            await asyncio.wait_for(served, 5)
 
     asyncio.run(scenario())
     assert [r["EVENT"] for r in records.of("deadline")] == [
@@ -667,13 +675,7 @@ def test_when_the_stubs_guard_answers_first_a_creation_is_dropped_and_a_release_
     db, big = pod("db"), pod("big")
 
     async def scenario():
-        runtime = FakeRuntime(socket_path)
-        await runtime.start()
-        stub = Stub(plugin, "cpuplugin", "50", socket_path=str(socket_path))
-        plugin.stub = stub
-        served = asyncio.create_task(stub.run())
-        try:
-            await asyncio.wait_for(runtime.registered.wait(), 10)
+        async with connected(plugin, socket_path) as (runtime, stub):
             pg = container("pg", db, 2000)
             reply = await runtime.call(
                 "CreateContainer", pb.CreateContainerRequest(pod=db, container=pg)
@@ -692,10 +694,6 @@ def test_when_the_stubs_guard_answers_first_a_creation_is_dropped_and_a_release_
             holder.release()
             assert await plugin.drain()
             assert stub.connected.is_set()
-        finally:
-            stub.stop()
-            await runtime.close()
-            await asyncio.wait_for(served, 5)
 
     asyncio.run(scenario())
     assert plugin.state.assignments == {} and on_disk(plugin).assignments == {}
