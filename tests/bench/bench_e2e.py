@@ -32,9 +32,10 @@ from .scratch import scratch
 from .stats import summary
 
 
-def _noop_plugin(socket: Path) -> subprocess.Popen:
+def _noop_plugin(socket: Path, post_create: bool = False) -> subprocess.Popen:
+    script = str(Path(__file__).with_name("noop_plugin.py"))
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("noop_plugin.py")), str(socket)],
+        [sys.executable, script, str(socket), *(["post"] if post_create else [])],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     if proc.stdout.readline().strip() != "ready":
@@ -48,21 +49,22 @@ def _ratio(with_plugin: list[float], without: list[float]) -> float:
 
 
 def bench_create_latency(rounds: int = 60) -> dict:
-    """CRI CreateContainer with a no-op NRI plugin connected vs no plugin (containerd 2.1.9)."""
+    """CRI CreateContainer with a no-op NRI plugin connected vs no plugin (containerd 2.1.9),
+    and with a no-op plugin that also subscribes to PostCreateContainer (the CPU plugin's
+    events on this path): the floor of what any plugin costs here."""
+    sides = ("plugin", "post", "none")
     with ExitStack() as stack:
-        plain = stack.enter_context(Containerd("2.1", debug=False))
-        hooked = stack.enter_context(Containerd("2.1", debug=False))
-        plugin = _noop_plugin(hooked.nri_socket)
-        stack.callback(plugin.kill)
-        samples: dict[str, list[float]] = {"plugin": [], "none": []}
+        runtimes = {side: stack.enter_context(Containerd("2.1", debug=False)) for side in sides}
+        for side in ("plugin", "post"):
+            plugin = _noop_plugin(runtimes[side].nri_socket, post_create=side == "post")
+            stack.callback(plugin.kill)
+        samples: dict[str, list[float]] = {side: [] for side in sides}
         pods = {
-            "plugin": hooked.cri().run_pod(PodSpec("lat", qos="besteffort")),
-            "none": plain.cri().run_pod(PodSpec("lat", qos="besteffort")),
+            side: runtime.cri().run_pod(PodSpec("lat", qos="besteffort"))
+            for side, runtime in runtimes.items()
         }
-        runtimes = {"plugin": hooked, "none": plain}
         for i in range(rounds + 5):
-            order = ("plugin", "none") if i % 2 else ("none", "plugin")
-            for side in order:
+            for side in sides[i % 3 :] + sides[: i % 3]:  # who goes first rotates
                 cri = runtimes[side].cri()
                 start = time.perf_counter()
                 cid = cri.create_container(pods[side], ContainerSpec(f"c{i}"))
@@ -71,9 +73,9 @@ def bench_create_latency(rounds: int = 60) -> dict:
                 if i >= 5:  # warm-up rounds are not measured
                     samples[side].append(elapsed)
     return {
-        "plugin": summary(samples["plugin"]),
-        "none": summary(samples["none"]),
+        **{side: summary(values) for side, values in samples.items()},
         "median_ratio": _ratio(samples["plugin"], samples["none"]),
+        "post_ratio": _ratio(samples["post"], samples["none"]),
     }
 
 
