@@ -2,9 +2,10 @@
 
 The runtime waits ``plugin_request_timeout`` (2 s by default, containerd and CRI-O alike) for
 each answer.  A request left unanswered past it makes the runtime drop the plugin, and the
-containers created meanwhile start unpinned.  Three of the daemon's waits can outlast it, and
+containers created meanwhile start unpinned.  Four of the daemon's waits can outlast it, and
 none can be interrupted: the state lock (another nri-cpuplugin process - a hook, the CLI -
-holds it), the durable commit (fsync on a slow disk) and netlink (NIC locality).  So:
+holds it), the durable commit (fsync on a slow disk), netlink (NIC locality) and the shared
+containers' cgroup writes that precede a creation's answer.  So:
 
 * **One worker thread does the daemon's work**: every handler's, the background sweep's and
   CPU hotplug's, one job at a time, in the order the events came.  The state is not
@@ -29,8 +30,6 @@ holds it), the durable commit (fsync on a slow disk) and netlink (NIC locality).
   UpdateContainer otherwise                             the current cpuset, kept
   StopContainer, Synchronize                            no updates
   RemoveContainer, RemovePodSandbox, UpdatePodSandbox   (empty)
-  PostCreateContainer (waits for the cgroup writes      (empty; the writes go on)
-  that follow a creation's answer)
   ====================================================  ===================================
 
 * **The job goes on, and what it does late agrees with the answer** (``deadline-late``): an
@@ -53,7 +52,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from ..core.engine import Outcome
+from ..core.engine import Outcome, Target
 from ..core.policy import PolicyError, describe
 from ..core.workload import Workload, from_nri
 from ..hardware import nic
@@ -65,6 +64,7 @@ from ..storage.store import CommitTiming, StateStore
 from .plugin import CPUPlugin
 from .targets import fill_cpu
 from .worker import (
+    CGROUPS,
     COMMIT,
     DECIDING,
     ERROR,
@@ -74,7 +74,6 @@ from .worker import (
     STATE_LOCK,
     Abandoned,
     Job,
-    Pending,
     Worker,
     _call_soon,
 )  # fmt: skip
@@ -125,8 +124,6 @@ class DeadlinePlugin(CPUPlugin):
 
     def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
         self.worker = Worker()
-        # Shared containers' cgroups still being written after a creation's answer.
-        self.writing = Pending()
         super().__init__(settings, audit, flags)
 
     def _build(self, settings: Settings) -> None:
@@ -187,24 +184,6 @@ class DeadlinePlugin(CPUPlugin):
             job, budget, f"the shared pool {target.cpus}", workload.identity(), cpus=target.cpus
         )
         return adjust, []
-
-    async def post_create_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
-        """The runtime is about to return CreateContainer: the shared containers the creation
-        moved off its exclusive CPUs (written after its answer, while the runtime went on)
-        must be off them by then.  Nothing is pending almost always: no worker hand-off."""
-        budget = self.budget
-        if await self.writing.wait(budget):
-            return
-        self.audit.record(
-            "deadline",
-            f"PostCreateContainer of {_subject(pod, container)} answered after {budget:g} s "
-            "while shared containers' cgroups were still being written: they leave its CPUs "
-            "a little later",
-            audit_mod.WARNING,
-            event="PostCreateContainer",
-            reason="cgroup-writes",
-        )
-        self.metrics.deadline_missed("PostCreateContainer", "cgroup-writes")
 
     async def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
@@ -302,21 +281,9 @@ class DeadlinePlugin(CPUPlugin):
             job.tracked_before = container.id in state.assignments or container.id in state.sharing
         return super().create_container(pod, container)
 
-    def _answer(self, reply: object, writes: bool) -> bool:
+    def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
-        if job is None:
-            return True
-        if writes:
-            self.writing.begin()  # before the answer lets PostCreateContainer come
-        if self.worker.deliver(reply) or job.answer != ERROR:
-            return True
-        if writes:
-            self.writing.end()
-        return False
-
-    def _written(self) -> None:
-        if self.worker.job_here() is not None:
-            self.writing.end()
+        return job is None or self.worker.deliver(reply) or job.answer != ERROR
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         if durable and outcome.state is not self.state:
@@ -334,6 +301,16 @@ class DeadlinePlugin(CPUPlugin):
         job.phase = NIC
         try:
             return super()._nic_locality(pod, workload)
+        finally:
+            job.phase = DECIDING
+
+    def _write_direct(self, direct: list[Target]) -> list[Target]:
+        job = self.worker.job_here() if direct else None
+        if job is None:
+            return super()._write_direct(direct)
+        job.phase = CGROUPS
+        try:
+            return super()._write_direct(direct)
         finally:
             job.phase = DECIDING
 
@@ -472,6 +449,11 @@ class DeadlinePlugin(CPUPlugin):
             )
         if phase == NIC:
             return phase, "reading the pod's network interfaces over netlink"
+        if phase == CGROUPS:
+            return phase, (
+                "writing the shared containers' cpusets: the kernel is slow to apply them "
+                "(a cgroup operation stuck on this node?)"
+            )
         if phase == QUEUED:
             return phase, "waiting for the worker thread"
         return DECIDING, "deciding"

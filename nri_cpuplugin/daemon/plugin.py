@@ -35,6 +35,7 @@ from ..core.state import NodeState
 from ..core.topology import discover
 from ..core.workload import Workload, from_nri, millicores_from_quota, millicores_from_shares
 from ..hardware import hotplug, nic
+from ..hardware.cpuset_files import OpenCpusets
 from ..hardware.liveness import Liveness
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
@@ -89,8 +90,10 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
         # Shared containers whose cgroup asks for no scheduler domain of its own any more,
-        # which halves the cost of each write (hardware/cpusets.stop_balancing).
+        # which halves the cost of each write (hardware/cpusets.stop_balancing), and whose
+        # cpuset.cpus is kept open (hardware/cpuset_files.py): see _prepare_shared.
         self._unbalanced: set[str] = set()
+        self._cpusets = OpenCpusets()
         # Whether the runtime listed its containers on this connection (Synchronize), as it
         # then does at every connection: an exclusive assignment a crash kept from the state
         # file comes back from that list, so it may be committed after the answer.
@@ -293,6 +296,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         self.unverified.clear()
         self.runtime_lists = True
         self._unbalanced &= specs.keys()
+        self._cpusets.keep_only(specs)
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
@@ -324,12 +328,14 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        """Decide, answer, then apply.  The answer carries the decision (and the siblings the
-        runtime must move itself); the shared siblings' cgroups are written, the state
-        committed and the decision audited after it, while the runtime goes on creating the
-        container (``_answer``).  An exclusive assignment is committed before the answer
-        unless the runtime lists its containers at every connection (Synchronize), which
-        restores one that a crash kept from the state file (engine.reconcile adopts it)."""
+        """Decide, move the siblings, answer; then commit and audit.  The shared siblings'
+        cgroups are written before the answer (kept-open files, a few microseconds each), so
+        the window is closed when the runtime returns; the answer carries the decision and the
+        siblings the runtime must move itself.  The state is committed and the decision audited
+        after it, while the runtime goes on creating the container (``_answer``).  An exclusive
+        assignment is committed before the answer unless the runtime lists its containers at
+        every connection (Synchronize), which restores one that a crash kept from the state
+        file (engine.reconcile adopts it)."""
         workload = from_nri(pod, container)
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
@@ -342,22 +348,20 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                     self._grow_pod_cgroup(mine, outcome.state)
                 adjust = pb.ContainerAdjustment()
                 fill_cpu(adjust.linux.resources.cpu, mine)
-                direct, runtime = self._split_followers(siblings)
                 # The container being created must not be listed: the runtime refuses that.
-                updates = [self._update(t) for t in runtime]
+                updates = [self._update(t) for t in self._write_followers(siblings)]
                 updates += self._carry_owed(
                     (t.container_id for t in outcome.targets), outcome.state
                 )
                 # False: answered with an error meanwhile; what was committed already is
                 # audited, and released again by the late part (daemon/deadline.py).
-                proceed = self._answer((adjust, updates), writes=bool(direct))
-                if proceed and direct:
-                    try:
-                        self._owed |= {t.container_id for t in self._write_direct(direct)}
-                    finally:
-                        self._written()
+                proceed = self._answer((adjust, updates))
                 if proceed and not committed:
                     self._commit(outcome)
+                elif not (proceed or committed) and siblings:
+                    # Written for a decision that is not made after all: the pool as it is.
+                    back = [self.engine.target(self.state, t.container_id) for t in siblings]
+                    self._push(back, "creation answered with an error")
         except PolicyError as err:
             self.metrics.pinning_request()
             self.metrics.pinning_error()
@@ -370,15 +374,11 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         self.audit.emit(outcome.events)
         return adjust, updates
 
-    def _answer(self, reply: object, writes: bool) -> bool:
-        """Hand the reply to the runtime before the rest of the creation is done (``writes``:
-        cgroup writes follow); False when the request was answered with an error meanwhile,
-        and nothing more may be done.  Here (no worker) the reply goes when the handler
-        returns."""
+    def _answer(self, reply: object) -> bool:
+        """Hand the reply to the runtime before the rest of the creation is done; False when
+        the request was answered with an error meanwhile, and nothing more may be done.  Here
+        (no worker) the reply goes when the handler returns."""
         return True
-
-    def _written(self) -> None:
-        """The writes announced by ``_answer(writes=True)`` are done."""
 
     def _create(self, workload: Workload, locality: nic.Locality | None) -> tuple[Outcome, bool]:
         """Decide (the caller holds the lock), and commit first where the answer must wait
@@ -416,13 +416,13 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         is read, and written if it says anything else, so it never runs on the exclusive CPUs.
         One read for every other container.
 
-        A shared container's cgroup also stops asking for a scheduler domain of its own here,
-        where it costs its own start a write, not a later exclusive creation."""
+        A shared container's cgroup is also made quick to write here (``_prepare_shared``),
+        where that costs its own start, not a later exclusive creation."""
         [*targets] = self.engine.update(self.state, container.id).targets
         if not targets:
             return
         if container.id in self.state.sharing:
-            self._stop_balancing(container.id)
+            self._prepare_shared(container.id)
         live = self.liveness.cpus(self.state.cgroups.get(container.id, ""))
         created = cpus_of(container) if live is None else live
         if created != targets[0].cpus:
@@ -485,7 +485,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now
         # and the siblings hear about it right after this event.
-        self._unbalanced.discard(container.id)
+        self._forget_cgroups(container.id)
         with self.store.locked():
             outcome = self._commit(self.engine.stop(self.state, container.id))
         self.audit.emit(outcome.events)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from ..core.cpuset import CPUSet
 from ..core.engine import CFS_PERIOD_US, Target
 from ..hardware import cgroupfs, cpusets
+from ..hardware.liveness import cgroup_path
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 
@@ -21,6 +22,8 @@ log = logging.getLogger("nri_cpuplugin")
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from ..hardware.cpuset_files import OpenCpusets
 
 
 class TargetWriter:
@@ -33,6 +36,7 @@ class TargetWriter:
     audit: Any
     _owed: set[str]
     _unbalanced: set[str]
+    _cpusets: OpenCpusets
 
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
@@ -94,7 +98,7 @@ class TargetWriter:
         if layout is None:
             return direct
         started = time.perf_counter()
-        failed = set(cpusets.move(layout, writes, self._unbalanced).failed)
+        failed = set(cpusets.move(layout, writes, self._unbalanced, self._cpusets).failed)
         log.debug(
             "wrote the cgroups of %d containers in %.2f ms; %d failed",
             len(direct) - len(failed),
@@ -103,13 +107,24 @@ class TargetWriter:
         )
         return [t for t in direct if t.container_id in failed]
 
-    def _stop_balancing(self, cid: str) -> None:
-        """See hardware/cpusets.stop_balancing (cgroup v1; once per container)."""
+    def _prepare_shared(self, cid: str) -> None:
+        """Make a shared container's cgroup quick to write when an exclusive container comes
+        (cgroup v1; once per container): no scheduler domain of its own any more
+        (hardware/cpusets.stop_balancing), and its ``cpuset.cpus`` kept open
+        (hardware/cpuset_files.py)."""
         path = self.state.cgroups.get(cid, "")
         layout = self.liveness.layout()
-        if layout is not None and _cgroupfs_path(path) and cid not in self._unbalanced:
+        if layout is None or not _cgroupfs_path(path):
+            return
+        if cid not in self._unbalanced or cid not in self._cpusets:
             with cgroupfs.CgroupFS(layout) as fs:
                 cpusets.stop_balancing(fs, [(cid, path)], self._unbalanced)
+                self._cpusets.open(fs, cid, cgroup_path(path))
+
+    def _forget_cgroups(self, cid: str) -> None:
+        """Drop what ``_prepare_shared`` holds for a container that is gone."""
+        self._unbalanced.discard(cid)
+        self._cpusets.forget(cid)
 
     def _push(self, targets: Iterable[Target], cause: str) -> None:
         """Apply targets that changed outside any event's reply (CPU hotplug, a removal, a

@@ -30,6 +30,7 @@ DECIDING = "deciding"
 STATE_LOCK = "state-lock"
 COMMIT = "commit"
 NIC = "nic"
+CGROUPS = "cgroup-writes"  # the shared containers' cgroups, before a creation's answer
 
 # How the runtime was answered when the budget ran out first.
 ERROR = "error"  # the operation failed: nothing the job decides may stay in force
@@ -282,41 +283,6 @@ class Worker:
         finally:
             if timer is not None:
                 timer.cancel()
-
-
-class Pending:
-    """Work a job announced with its early answer and does afterwards (``Worker.deliver``),
-    for a later request that must not be answered before it is done."""
-
-    def __init__(self) -> None:
-        self._lock = _thread.allocate_lock()
-        self._count = 0
-        self._waiters: list[asyncio.Future[bool]] = []
-
-    def begin(self) -> None:
-        with self._lock:
-            self._count += 1
-
-    def end(self) -> None:
-        with self._lock:
-            self._count -= 1
-            if self._count:
-                return
-            waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            _call_soon(waiter.get_loop(), _resolve, waiter, True)
-
-    async def wait(self, budget: float) -> bool:
-        """Whether everything begun so far ended within ``budget`` seconds; call from the loop."""
-        with self._lock:
-            if not self._count:
-                return True
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-        try:
-            return await asyncio.wait_for(waiter, budget)
-        except TimeoutError:
-            return False
 
 
 def _cpu_getter() -> Callable[[], int]:

@@ -250,17 +250,24 @@ class CgroupFS:
             raise CgroupError(f"{where} is larger than {MAX_READ} bytes")
         return data.decode("ascii", "replace").strip()
 
-    def write(self, controller: str, path: str, name: str, value: str) -> None:
+    def open(self, controller: str, path: str, name: str, flags: int) -> int:
+        """A descriptor of ``name`` in the cgroup (``.``: the cgroup's directory), reached
+        without following links; the caller closes it."""
         root = self.root(controller)
         parts = split_path(path)
-        where = os.path.join(root, *parts, name)
+        try:
+            return os.open(name, flags, dir_fd=self._dir(root, parts))
+        except OSError as err:
+            where = os.path.join(root, *parts, name)
+            how = " for writing" if flags & (os.O_WRONLY | os.O_RDWR) else ""
+            raise CgroupError(f"cannot open {where}{how}: {err.strerror}") from None
+
+    def write(self, controller: str, path: str, name: str, value: str) -> None:
+        where = os.path.join(self.root(controller), *split_path(path), name)
         # No O_CREAT: cgroup files exist or the controller is not there; we never create files.
         # O_TRUNC: what `echo > file` does; kernfs ignores it, a look-alike tree needs it.
         flags = os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, dir_fd=self._dir(root, parts))
-        except OSError as err:
-            raise CgroupError(f"cannot open {where} for writing: {err.strerror}") from None
+        fd = self.open(controller, path, name, flags)
         data = (value + "\n").encode()
         try:
             written = os.write(fd, data)

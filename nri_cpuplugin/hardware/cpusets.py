@@ -35,6 +35,8 @@ TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI ho
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from .cpuset_files import OpenCpusets
+
 # Controllers whose cgroup the kernel does not move when it evicts tasks from a cpuset.
 _WITNESSES = ("cpu", "cpu,cpuacct", "cpuacct,cpu", "memory", "pids")
 
@@ -122,7 +124,10 @@ def apply(
 
 
 def move(
-    layout: cgroupfs.Layout, targets: Iterable[Target], unbalanced: set[str] | None = None
+    layout: cgroupfs.Layout,
+    targets: Iterable[Target],
+    unbalanced: set[str] | None = None,
+    files: OpenCpusets | None = None,
 ) -> Applied:
     """Move shared containers to a new pool: ``apply`` without repairs, for the common case.
 
@@ -135,14 +140,15 @@ def move(
     memory nodes or a CFS quota goes through ``apply``, which handles each of those.
 
     ``unbalanced``: the containers whose cgroup no longer asks for a scheduler domain of its
-    own (see ``stop_balancing``); those written first are added to it."""
+    own (see ``stop_balancing``); those written first are added to it.  ``files``: their
+    ``cpuset.cpus`` kept open between writes (cgroup v1; hardware/cpuset_files.py)."""
     general: list[Target] = []
     targets = list(targets)
     with cgroupfs.CgroupFS(layout) as fs:
         if unbalanced is not None:
             stop_balancing(fs, [(t.container_id, t.runtime_path) for t in targets], unbalanced)
         for target in targets:
-            if target.mems or target.quota is not None or not _write_leaf(fs, target):
+            if target.mems or target.quota is not None or not _write_leaf(fs, target, files):
                 general.append(target)
     if not general:
         return Applied([], [], {})
@@ -175,10 +181,12 @@ def stop_balancing(
             continue
 
 
-def _write_leaf(fs: cgroupfs.CgroupFS, target: Target) -> bool:
+def _write_leaf(fs: cgroupfs.CgroupFS, target: Target, files: OpenCpusets | None = None) -> bool:
     """One write of the target's CPUs to its container cgroup, if that cgroup is a leaf."""
     try:
         path = cgroup_path(target.runtime_path)
+        if files is not None and files.write(fs, target.container_id, path, target.cpus):
+            return True
         if fs.subdirectories(path):
             return False
         if fs.layout.version != cgroupfs.V2:

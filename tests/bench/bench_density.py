@@ -1,9 +1,10 @@
 """Dense nodes: what creating an exclusive container costs while N shared containers run.
 
-Two private containerd instances of one version side by side, one with ``nri-cpuplugin run``
-and one with no plugin, each running the same N Burstable containers; a Guaranteed 1-CPU
-container is created (and started) on each in turn.  With the plugin, every shared container
-must leave the new exclusive CPU before CreateContainer returns.
+Three private containerd instances of one version side by side, one with ``nri-cpuplugin run``,
+one with a plugin that changes nothing (the floor of any plugin) and one with no plugin, each
+running the same N Burstable containers; a Guaranteed 1-CPU container is created (and started)
+on each in turn.  With the plugin, every shared container must leave the new exclusive CPU
+before CreateContainer returns.
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ from harness import host
 from harness.containerd import Containerd
 from harness.k8s import ContainerSpec, PodSpec
 
-from .bench_e2e import _ratio
+from .bench_e2e import _ratio, noop_plugin
 from .stats import summary
 
 
 def bench_dense_create(version: str, running: int, rounds: int) -> dict:
     """CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU container
-    beside ``running`` shared containers: with the plugin vs no plugin, alternating."""
+    beside ``running`` shared containers: with the plugin, a no-op plugin and no plugin, in
+    turn (who goes first rotates)."""
+    sides = ("plugin", "noop", "none")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        plain = stack.enter_context(Containerd(version, debug=False))
-        pinned = stack.enter_context(Containerd(version, debug=False))
-        daemon = Daemon(pinned.nri_socket, Path(tmp) / "state").start()
+        runtimes = {side: stack.enter_context(Containerd(version, debug=False)) for side in sides}
+        daemon = Daemon(runtimes["plugin"].nri_socket, Path(tmp) / "state").start()
         stack.callback(daemon.stop)
-        runtimes = {"plugin": pinned, "none": plain}
+        stack.callback(noop_plugin(runtimes["noop"].nri_socket).kill)
         shared_pids = []
         shared_ids: list[str] = []
         for side, runtime in runtimes.items():
@@ -44,11 +46,11 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
             side: runtime.cri().run_pod(PodSpec("pinned", qos="guaranteed"))
             for side, runtime in runtimes.items()
         }
-        create: dict[str, list[float]] = {"plugin": [], "none": []}
-        start: dict[str, list[float]] = {"plugin": [], "none": []}
+        create: dict[str, list[float]] = {side: [] for side in sides}
+        start: dict[str, list[float]] = {side: [] for side in sides}
         window_open = 0
         for i in range(rounds + 2):
-            for side in ("plugin", "none") if i % 2 else ("none", "plugin"):
+            for side in sides[i % 3 :] + sides[: i % 3]:
                 cri = runtimes[side].cri()
                 began = time.perf_counter()
                 cid = cri.create_container(pods[side], ContainerSpec.guaranteed(f"g{i}", 1))
@@ -70,6 +72,7 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         "create_start": {side: summary(v) for side, v in start.items()},
         "create_ratio": _ratio(create["plugin"], create["none"]),
         "create_start_ratio": _ratio(start["plugin"], start["none"]),
+        "noop_create_ratio": _ratio(create["noop"], create["none"]),
         "window_open": window_open,
         "converge_s": converge,
     }

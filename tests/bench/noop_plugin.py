@@ -1,5 +1,4 @@
-"""A plugin that subscribes to CreateContainer (and, with a second argument "post", to
-PostCreateContainer too, as the CPU plugin does) and changes nothing: the benchmark's floor.
+"""A plugin that subscribes to CreateContainer and changes nothing: the benchmarks' floor.
 Prints "ready" once registered."""
 
 from __future__ import annotations
@@ -15,13 +14,8 @@ class NoOp:
         return None, []
 
 
-class NoOpWithPostCreate(NoOp):
-    def post_create_container(self, pod, container):
-        return None
-
-
-async def main(socket: str, post: bool) -> None:
-    stub = Stub(NoOpWithPostCreate() if post else NoOp(), "noop", "50", socket_path=socket)
+async def main(socket: str) -> None:
+    stub = Stub(NoOp(), "noop", "50", socket_path=socket)
     task = asyncio.create_task(stub.run())
     await stub.connected.wait()
     print("ready", flush=True)
@@ -29,4 +23,4 @@ async def main(socket: str, post: bool) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2:] == ["post"]))
+    asyncio.run(main(sys.argv[1]))

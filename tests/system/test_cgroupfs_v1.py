@@ -211,3 +211,46 @@ def test_move_reports_a_container_whose_cgroup_is_gone(box: CgroupSandbox) -> No
     applied = cpusets.move(cgroupfs.detect(), targets)
     assert applied.failed == ["gone" * 16]
     assert _read(box.cpuset_dir(there), "cpuset.cpus") == "0"
+
+
+def test_move_through_kept_open_files(box: CgroupSandbox) -> None:
+    """The daemon keeps each shared container's cgroup and cpuset.cpus open
+    (hardware/cpuset_files.py).  A leaf is written through them; a container with a cgroup
+    nested below it since goes through the general path (its children move too); a removed
+    cgroup's write fails, is reported, and its descriptors are dropped."""
+    from nri_cpuplugin.hardware import cpusets
+    from nri_cpuplugin.hardware.cpuset_files import OpenCpusets
+
+    leaf, nested, gone = (f"{box.top}/kubepods/burstable/p{n}/ctr" for n in "fgh")
+    for path in (leaf, nested, gone):
+        box.make_cgroup(path)
+    procs = {"leaf": _spawn_in(box, leaf), "nested": _spawn_in(box, nested)}
+    layout = cgroupfs.detect()
+    files = OpenCpusets()
+    ids = {"leaf": "f" * 64, "nested": "g" * 64, "gone": "h" * 64}
+    paths = {"leaf": leaf, "nested": nested, "gone": gone}
+
+    def move(cpus: str, *names: str) -> cpusets.Applied:
+        targets = [cpusets.Target(ids[n], paths[n], C(cpus)) for n in names]
+        return cpusets.move(layout, targets, files=files)
+
+    assert move(LAST, "leaf", "nested", "gone") == cpusets.Applied([], [], {})
+    assert len(files) == 3
+    assert {name: host.cpus_allowed_list(p.pid) for name, p in procs.items()} == {
+        "leaf": LAST, "nested": LAST,
+    }  # fmt: skip
+    # A cgroup appears below the second container, its process in it; the third one goes.
+    box.make_cgroup(f"{nested}/inner")
+    _write(box.cpuset_dir(f"{nested}/inner"), "cpuset.cpus", LAST)
+    _write(box.cpuset_dir(f"{nested}/inner"), "cgroup.procs", str(procs["nested"].pid))
+    box.cpuset_dir(gone).rmdir()
+    everything = str(C(f"0-{LAST}"))
+    applied = move(everything, "leaf", "nested", "gone")
+    assert applied.failed == [ids["gone"]] and ids["gone"] not in files
+    assert {name: host.cpus_allowed_list(p.pid) for name, p in procs.items()} == {
+        "leaf": everything, "nested": everything,
+    }  # fmt: skip
+    assert move("0", "leaf") == cpusets.Applied([], [], {})
+    assert _read(box.cpuset_dir(leaf), "cpuset.cpus") == "0"
+    files.close()
+    assert len(files) == 0

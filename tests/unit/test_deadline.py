@@ -165,10 +165,11 @@ def test_the_budget_is_kept_below_the_runtimes_own_timeout(tmp_path):
     plugin.stub.request_timeout = 1.0  # a runtime configured for 1 s (Configure field 5)
     assert plugin.budget == 0.75
     assert plugin.stub.request_timeout * 0.9 > plugin.budget  # the stub's guard comes later
-    # The stub takes the plugin as it is: CPUPlugin's subscription, and PostCreateContainer,
-    # which waits for the cgroup writes a creation does after its answer.
+    # The stub takes the plugin as it is: CPUPlugin's subscription, nothing more (no
+    # PostCreateContainer: a creation's cgroup writes are done before its answer).
     base = Stub(make(tmp_path, cls=CPUPlugin)[0], "x", "50").events
-    assert plugin.stub.events == base | EVENT_BITS["post_create_container"]
+    assert plugin.stub.events == base
+    assert not base & EVENT_BITS["post_create_container"]
 
 
 # --- the state lock held by another process -------------------------------------------------
@@ -416,54 +417,50 @@ def test_once_the_runtime_lists_its_containers_an_exclusive_answer_does_not_wait
     assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")  # ... and completes
 
 
-def test_post_create_waits_for_the_cgroup_writes_that_follow_the_answer(tmp_path, monkeypatch):
-    """The shared containers a creation moves are written after its answer, while the runtime
-    goes on creating the container; PostCreateContainer - the last thing before the runtime's
-    CreateContainer returns - is answered only once they are done, or when the budget runs
-    out (audited)."""
+def test_cgroup_writes_that_outlast_the_budget_fail_the_exclusive_creation_in_time(
+    tmp_path, monkeypatch
+):
+    """The shared containers a creation moves are written before its answer.  Writes the
+    kernel is slow to apply count against the budget: the exclusive creation is answered with
+    an error in time (REASON cgroup-writes), nothing is assigned, and the containers written
+    meanwhile get the shared pool back."""
     plugin, records = make(tmp_path)
-    gate, writing = threading.Event(), threading.Event()
+    gate = threading.Event()
+    written: list[tuple[str, str]] = []
 
     def split(targets):
         return list(targets), []  # as if every sibling had a cgroupfs path
 
     def write(direct):
-        writing.set()
+        if not direct:
+            return []
         gate.wait(30)
+        written.extend((t.container_id, str(t.cpus)) for t in direct)
         return []
 
     monkeypatch.setattr(plugin, "_split_followers", split)
-    monkeypatch.setattr(plugin, "_write_direct", write)
-    web, db, big = pod("web", "burstable"), pod("db"), pod("big")
+    monkeypatch.setattr(CPUPlugin, "_write_direct", lambda self, direct: write(direct))
+    web, db = pod("web", "burstable"), pod("db")
+    nginx = container("nginx", web, 500)
 
     async def scenario():
         await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.create_container(web, container("nginx", web, 500))
-        await plugin.post_create_container(web, container("nginx", web, 500))  # nothing pending
-        (adjust, updates), elapsed = await timed(
-            plugin.create_container(db, container("pg", db, 2000))
-        )
-        assert elapsed < BUDGET and adjust.linux.resources.cpu.cpus == "1,25" and not updates
-        assert writing.wait(5)
-        waiting = asyncio.create_task(plugin.post_create_container(db, container("pg", db, 2000)))
-        await asyncio.sleep(BUDGET / 3)
-        assert not waiting.done()
-        gate.set()
-        await asyncio.wait_for(waiting, BUDGET)
-        assert not records.of("deadline")
-        gate.clear()
-        writing.clear()
-        await plugin.create_container(big, container("big", big, 2000))
-        assert writing.wait(5)
-        _, elapsed = await timed(plugin.post_create_container(big, container("big", big, 2000)))
+        await plugin.synchronize([], [])  # the commit may follow the answer
+        await plugin.create_container(web, nginx)
+        pool = str(plugin.state.shared)
+        err, elapsed = await timed(plugin.create_container(db, container("pg", db, 2000)))
+        assert isinstance(err, PolicyError) and err.code == "deadline"
         assert BUDGET <= elapsed < BUDGET + SLACK
+        assert "writing the shared containers' cpusets" in str(err)
         gate.set()
         assert await plugin.drain()
+        return pool
 
-    asyncio.run(scenario())
+    pool = asyncio.run(scenario())
     [missed] = records.of("deadline")
-    assert missed["EVENT"] == "PostCreateContainer" and missed["REASON"] == "cgroup-writes"
-    assert set(on_disk(plugin).assignments) == {CID["pg"], CID["big"]}
+    assert missed["EVENT"] == "CreateContainer" and missed["REASON"] == "cgroup-writes"
+    assert written == [(CID["nginx"], "0,2-24,26-47"), (CID["nginx"], pool)]
+    assert not on_disk(plugin).assignments and str(plugin.state.shared) == pool
 
 
 # --- through the real stub, as the runtime sees it ---------------------------------------------

@@ -1,0 +1,85 @@
+"""hardware/cpuset_files.py on a look-alike cgroup v1 tree of plain files (the real kernel
+files are tested in tests/system/test_cgroupfs_v1.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.hardware import cgroupfs
+from nri_cpuplugin.hardware.cpuset_files import OpenCpusets, mount_type
+
+C = CPUSet.parse
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "cpuset"
+    for cid in ("a", "b", "c"):
+        d = root / "kubepods" / "pod1" / cid
+        d.mkdir(parents=True)
+        (d / "cpuset.cpus").write_text("0-47\n")
+    return cgroupfs.Layout(cgroupfs.V1, str(root), None), root / "kubepods" / "pod1"
+
+
+def test_writes_replace_the_value_and_reuse_the_open_file(tree):
+    layout, pod = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.write(fs, "a", "/kubepods/pod1/a", C("0,2-47"))
+    (pod / "a" / "cpuset.cpus").rename(pod / "a" / "moved")  # the kept file, not the path
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.write(fs, "a", "/kubepods/pod1/a", C("0"))
+    assert (pod / "a" / "moved").read_text() == "0\n"  # a shorter value leaves nothing behind
+
+
+def test_a_cgroup_with_nested_cgroups_is_left_to_the_general_path(tree):
+    layout, pod = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.open(fs, "b", "/kubepods/pod1/b")
+        (pod / "b" / "inner").mkdir()
+        assert not files.write(fs, "b", "/kubepods/pod1/b", C("0"))
+    assert (pod / "b" / "cpuset.cpus").read_text() == "0-47\n"
+
+
+def test_a_failed_write_drops_the_entry_and_says_why(tree, monkeypatch):
+    layout, _ = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.open(fs, "c", "/kubepods/pod1/c")
+
+        def refused(*args):
+            raise OSError(19, "No such device")
+
+        monkeypatch.setattr("os.pwrite", refused)
+        with pytest.raises(cgroupfs.CgroupError, match=r"/kubepods/pod1/c/cpuset\.cpus.*removed"):
+            files.write(fs, "c", "/kubepods/pod1/c", C("0"))
+    assert "c" not in files and len(files) == 0
+
+
+def test_limits_what_is_kept_and_never_keeps_cgroup_v2_files(tree):
+    layout, _ = tree
+    files = OpenCpusets(limit=1)
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.open(fs, "a", "/kubepods/pod1/a")
+        assert not files.write(fs, "b", "/kubepods/pod1/b", C("0"))  # over the limit
+        assert not files.open(fs, "missing", "/kubepods/pod1/missing")
+        files.keep_only({"b"})
+        assert len(files) == 0 and files.open(fs, "b", "/kubepods/pod1/b")
+    v2 = cgroupfs.Layout(cgroupfs.V2, layout.cpuset_root, layout.cpuset_root)
+    with cgroupfs.CgroupFS(v2) as fs:
+        assert not OpenCpusets().open(fs, "a", "/kubepods/pod1/a")
+    files.close()
+
+
+def test_mount_type_reads_mountinfo(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n"
+    )
+    assert mount_type("/sys/fs/cgroup/cpuset", str(mountinfo)) == "cgroup"
+    assert mount_type("/sys/fs/cgroup", str(mountinfo)) == "tmpfs"
+    assert mount_type("/elsewhere", str(mountinfo)) is None
+    assert mount_type("/", str(tmp_path / "missing")) is None
