@@ -108,14 +108,8 @@ class PhasedStore(StateStore):
             yield store
 
     def commit(self, state: Any) -> CommitTiming:
-        job = self.worker.job_here()
-        if job is None:
+        with self.worker.phase(COMMIT):
             return super().commit(state)
-        job.phase = COMMIT
-        try:
-            return super().commit(state)
-        finally:
-            job.phase = DECIDING
 
 
 class DeadlinePlugin(CPUPlugin):
@@ -295,24 +289,12 @@ class DeadlinePlugin(CPUPlugin):
         return super()._commit(outcome, durable)
 
     def _nic_locality(self, pod: pb.PodSandbox, workload: Workload) -> nic.Locality | None:
-        job = self.worker.job_here()
-        if job is None:
+        with self.worker.phase(NIC):
             return super()._nic_locality(pod, workload)
-        job.phase = NIC
-        try:
-            return super()._nic_locality(pod, workload)
-        finally:
-            job.phase = DECIDING
 
     def _write_direct(self, direct: list[Target]) -> list[Target]:
-        job = self.worker.job_here() if direct else None
-        if job is None:
+        with self.worker.phase(CGROUPS):
             return super()._write_direct(direct)
-        job.phase = CGROUPS
-        try:
-            return super()._write_direct(direct)
-        finally:
-            job.phase = DECIDING
 
     def _create_late(self, job: Job) -> None:
         """A creation that ended after its request was answered without it."""

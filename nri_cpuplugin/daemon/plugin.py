@@ -1,10 +1,11 @@
 """The NRI front end: runtime events -> engine outcomes -> committed state -> NRI replies.
 
-Every decision is committed to the state file *before* the reply leaves, so a crash can lose
-a reply but never a decision; and every event that moves CPUs moves all shared-pool
-containers before its reply leaves (written directly, or as updates in the reply), so there is
-no instant at which a shared container may run on a CPU that was just made exclusive (kubelet
-leaves that window open for up to 10 s).
+A decision is committed to the state file before the reply leaves, so a crash can lose a
+reply but never a decision - except where the runtime gives every decision back after a crash
+(a creation, once the runtime lists its containers at each connection: ``create_container``).
+Every event that moves CPUs moves all shared-pool containers before its reply leaves (written
+directly, or as updates in the reply), so there is no instant at which a shared container may
+run on a CPU that was just made exclusive (kubelet leaves that window open for up to 10 s).
 
 The runtime is never sent an unsolicited UpdateContainers: on every containerd with an NRI
 before 0.12.1 it can deadlock the runtime for good (docs/architecture.md, "Changes outside

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("nri_cpuplugin")
@@ -202,6 +202,19 @@ class Worker:
         if thread is None or thread.ident != _thread.get_ident():
             return None
         return self.current
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """The running job waits for ``phase`` meanwhile (when called on the worker thread)."""
+        job = self.job_here()
+        if job is None:
+            yield
+            return
+        job.phase = phase
+        try:
+            yield
+        finally:
+            job.phase = DECIDING
 
     def deliver(self, result: Any) -> bool:
         """Called by the running job: hand ``result`` to its handler now and go on with the
