@@ -84,6 +84,10 @@ log = logging.getLogger("nri_cpuplugin")
 BUDGET_SHARE = 0.75
 # At exit, how long to wait for work already answered (a late release) to be committed.
 DRAIN_TIMEOUT = 5.0
+# How long the commit of a creation already answered is put off: past the runtime's own work
+# on the request (its metadata commit, whose fsync would wait behind ours), and merged with
+# the commits of the events that follow.
+COMMIT_DELAY = 0.2
 
 
 class PhasedStore(StateStore):
@@ -118,6 +122,7 @@ class DeadlinePlugin(CPUPlugin):
 
     def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
         self.worker = Worker()
+        self._flush_due = False  # a commit put off by _commit_later is scheduled
         super().__init__(settings, audit, flags)
 
     def _build(self, settings: Settings) -> None:
@@ -260,7 +265,7 @@ class DeadlinePlugin(CPUPlugin):
     async def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
         """Wait up to ``timeout`` for the work queued so far - a late release, say - to be
         done, before the daemon exits; whether it was."""
-        return await self.worker.finished(self.worker.submit("drain", _nothing), timeout)
+        return await self.worker.finished(self.worker.submit("drain", self._flush), timeout)
 
     # --- the work, on the worker thread ----------------------------------------------------------
 
@@ -278,6 +283,30 @@ class DeadlinePlugin(CPUPlugin):
     def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
         return job is None or self.worker.deliver(reply) or job.answer != ERROR
+
+    def _commit_later(self, outcome: Outcome) -> None:
+        job = self.worker.job_here()
+        if job is None:
+            return super()._commit_later(outcome)
+        if outcome.state is not self.state:
+            self.state = outcome.state
+            self._unsaved = True
+            self.metrics.observe_state(self.state, self.policy.topology)
+        if self._unsaved and not self._flush_due:
+            self._flush_due = True
+            _call_soon(job.loop, job.loop.call_later, COMMIT_DELAY, self._flush_soon)
+        return None
+
+    def _flush_soon(self) -> None:
+        self.worker.submit("commit", self._flush, awaited=False)
+
+    def _flush(self) -> None:
+        """Commit the state if its commit was put off (or failed): the next commit, if any
+        came first, wrote it already."""
+        self._flush_due = False
+        if self._unsaved:
+            with self.store.locked():
+                self._commit(Outcome(self.state))
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         if durable and outcome.state is not self.state:
@@ -479,7 +508,3 @@ class DeadlinePlugin(CPUPlugin):
 
 def _subject(pod: pb.PodSandbox, container: pb.Container) -> str:
     return f"container {container.name!r} of pod {pod.namespace}/{pod.name}"
-
-
-def _nothing() -> None:
-    return None

@@ -90,6 +90,9 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
+        # The state in memory is not the one in the file: its commit was put off
+        # (``_commit_later``) or failed (a full disk).  The next commit writes it.
+        self._unsaved = False
         # Shared containers whose cgroup asks for no scheduler domain of its own any more,
         # which halves the cost of each write (hardware/cpusets.stop_balancing), and whose
         # cpuset.cpus is kept open (hardware/cpuset_files.py): see _prepare_shared.
@@ -191,13 +194,14 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         could forget must not be handed out, so the error goes to the caller."""
         new_state = outcome.state
         # The engine returns the very state it was given when nothing changed.
-        if new_state is self.state:
+        if new_state is self.state and not self._unsaved:
             return outcome
         try:
             timing = self.store.commit(new_state)
         except OSError as err:
             if durable:
                 raise
+            self._unsaved = True
             self.audit.record(
                 "state-unsaved",
                 f"the state could not be written, kept in memory until it can: {err}",
@@ -205,6 +209,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 reason=str(err),
             )
         else:
+            self._unsaved = False
             self.metrics.observe_commit(timing.total_seconds)
         self.state = new_state
         self.metrics.observe_state(new_state, self.policy.topology)
@@ -329,14 +334,14 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        """Decide, move the siblings, answer; then commit and audit.  The shared siblings'
+        """Decide, move the siblings, answer; then audit and commit.  The shared siblings'
         cgroups are written before the answer (kept-open files, a few microseconds each), so
         the window is closed when the runtime returns; the answer carries the decision and the
-        siblings the runtime must move itself.  The state is committed and the decision audited
-        after it, while the runtime goes on creating the container (``_answer``).  An exclusive
-        assignment is committed before the answer unless the runtime lists its containers at
-        every connection (Synchronize), which restores one that a crash kept from the state
-        file (engine.reconcile adopts it)."""
+        siblings the runtime must move itself.  The decision is audited and the state committed
+        after it, while the runtime goes on creating the container (``_answer``,
+        ``_commit_later``).  An exclusive assignment is committed before the answer unless the
+        runtime lists its containers at every connection (Synchronize), which restores one that
+        a crash kept from the state file (engine.reconcile adopts it)."""
         workload = from_nri(pod, container)
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
@@ -358,7 +363,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 # audited, and released again by the late part (daemon/deadline.py).
                 proceed = self._answer((adjust, updates))
                 if proceed and not committed:
-                    self._commit(outcome)
+                    self._commit_later(outcome)
                 elif not (proceed or committed) and siblings:
                     # Written for a decision that is not made after all: the pool as it is.
                     back = [self.engine.target(self.state, t.container_id) for t in siblings]
@@ -380,6 +385,11 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         the request was answered with an error meanwhile, and nothing more may be done.  Here
         (no worker) the reply goes when the handler returns."""
         return True
+
+    def _commit_later(self, outcome: Outcome) -> None:
+        """Commit what was answered already, where a crash before the commit loses nothing
+        (see create_container): here at once; the daemon puts it off (daemon/deadline.py)."""
+        self._commit(outcome)
 
     def _create(self, workload: Workload, locality: nic.Locality | None) -> tuple[Outcome, bool]:
         """Decide (the caller holds the lock), and commit first where the answer must wait

@@ -6,8 +6,6 @@ replies")."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
@@ -16,8 +14,6 @@ from ..hardware import cgroupfs, cpusets
 from ..hardware.liveness import cgroup_path
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
-
-log = logging.getLogger("nri_cpuplugin")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -88,23 +84,24 @@ class TargetWriter:
         """Write ``direct`` (from ``_split_followers``); returns those whose write failed."""
         if not direct:
             return []
+        layout = self.liveness.layout()
+        if layout is None:
+            return direct
+        # Most of them (a creation on a dense node: every shared container) go through the
+        # files kept open since they started; the others through cpusets.move.
+        left = set(
+            self._cpusets.write_kept(
+                (t.container_id, t.cpus) for t in direct if t.mems is None and t.quota is None
+            )
+        )
         writes = [
             cpusets.Target(
                 t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
             )
             for t in direct
+            if t.container_id in left or t.mems is not None or t.quota is not None
         ]
-        layout = self.liveness.layout()
-        if layout is None:
-            return direct
-        started = time.perf_counter()
         failed = set(cpusets.move(layout, writes, self._unbalanced, self._cpusets).failed)
-        log.debug(
-            "wrote the cgroups of %d containers in %.2f ms; %d failed",
-            len(direct) - len(failed),
-            (time.perf_counter() - started) * 1000,
-            len(failed),
-        )
         return [t for t in direct if t.container_id in failed]
 
     def _prepare_shared(self, cid: str) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
 from . import cgroupfs
@@ -81,6 +82,23 @@ class OpenCpusets:
         gone), and the entry is dropped."""
         if not self.open(fs, container_id, path):
             return False
+        return self._write(container_id, path, cpus)
+
+    def write_kept(self, targets: Iterable[tuple[str, CPUSet]]) -> list[str]:
+        """Write each (container id, cpus) whose files are kept open, with nothing else on
+        the way (the common case, and the one a creation waits for); returns the ids left to
+        the caller: no kept file, cgroups nested below, or the write failed."""
+        left = []
+        for container_id, cpus in targets:
+            try:
+                if container_id in self._open and self._write(container_id, container_id, cpus):
+                    continue
+            except cgroupfs.CgroupError:
+                pass
+            left.append(container_id)
+        return left
+
+    def _write(self, container_id: str, where: str, cpus: CPUSet) -> bool:
         directory, file = self._open[container_id]
         last, data = self._last
         if cpus != last:
@@ -96,11 +114,11 @@ class OpenCpusets:
             self.forget(container_id)
             gone = " (the cgroup was removed)" if err.errno == errno.ENODEV else ""
             raise cgroupfs.CgroupError(
-                f"writing {cpus} to {path}/{FILE} failed: {err.strerror}{gone}"
+                f"writing {cpus} to {where}/{FILE} failed: {err.strerror}{gone}"
             ) from None
         if written != len(data):
             self.forget(container_id)
-            raise cgroupfs.CgroupError(f"short write of {cpus} to {path}/{FILE}")
+            raise cgroupfs.CgroupError(f"short write of {cpus} to {where}/{FILE}")
         return True
 
     def forget(self, container_id: str) -> None:

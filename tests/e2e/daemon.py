@@ -14,6 +14,7 @@ from pathlib import Path
 from harness import host
 
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.daemon.deadline import COMMIT_DELAY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,7 +117,18 @@ class Daemon:
         self.kill9()
 
     def state(self) -> dict:
-        return json.loads((self.state_dir / "state.json").read_text())
+        """state.json once the daemon's commits have settled: it commits a creation it answered
+        up to COMMIT_DELAY later (daemon/deadline.py)."""
+        time.sleep(COMMIT_DELAY)
+        path = self.state_dir / "state.json"
+        text = path.read_text()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            text, last = path.read_text(), text
+            if text == last:
+                break
+        return json.loads(text)
 
 
 def check_agreement(daemon: Daemon, cri) -> dict[str, str]:

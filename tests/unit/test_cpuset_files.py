@@ -83,3 +83,15 @@ def test_mount_type_reads_mountinfo(tmp_path):
     assert mount_type("/sys/fs/cgroup", str(mountinfo)) == "tmpfs"
     assert mount_type("/elsewhere", str(mountinfo)) is None
     assert mount_type("/", str(tmp_path / "missing")) is None
+
+
+def test_write_kept_writes_only_what_is_open_and_returns_the_rest(tree):
+    layout, pod = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.open(fs, "a", "/kubepods/pod1/a") and files.open(fs, "b", "/kubepods/pod1/b")
+    (pod / "b" / "inner").mkdir()
+    left = files.write_kept([("a", C("0")), ("b", C("0")), ("c", C("0"))])
+    assert left == ["b", "c"]  # b has a cgroup nested below it, c's files are not kept
+    assert (pod / "a" / "cpuset.cpus").read_text() == "0\n"
+    assert (pod / "b" / "cpuset.cpus").read_text() == "0-47\n"
