@@ -420,6 +420,22 @@ def test_once_the_runtime_lists_its_containers_an_exclusive_answer_does_not_wait
     assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")  # ... and completes
 
 
+def test_a_commit_put_off_is_written_when_the_daemon_drains_before_it_exits(tmp_path):
+    plugin, _ = make(tmp_path)
+    db = pod("db")
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        started = time.monotonic()
+        await plugin.create_container(db, container("pg", db, 2000))
+        assert await plugin.drain()
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < COMMIT_DELAY  # the drain did not wait for the timer
+    assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")
+
+
 def test_cgroup_writes_that_outlast_the_budget_fail_the_exclusive_creation_in_time(
     tmp_path, monkeypatch
 ):
