@@ -117,18 +117,32 @@ class Daemon:
         self.kill9()
 
     def state(self) -> dict:
-        """state.json once the daemon's commits have settled: it commits a creation it answered
-        up to COMMIT_DELAY later (daemon/deadline.py)."""
-        time.sleep(COMMIT_DELAY)
-        path = self.state_dir / "state.json"
-        text = path.read_text()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            text, last = path.read_text(), text
-            if text == last:
-                break
-        return json.loads(text)
+        return settled_state(self.state_dir)
+
+    def status(self, sysfs: str | None = None) -> dict:
+        """`nri-cpuplugin status --json` once the daemon's commits have settled."""
+        settled_state(self.state_dir)
+        out = subprocess.run(
+            [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir",
+             str(self.state_dir), "--json", *(["--sysfs", sysfs] if sysfs else [])],
+            capture_output=True, text=True, check=True, cwd=REPO,
+        ).stdout  # fmt: skip
+        return json.loads(out)
+
+
+def settled_state(state_dir: Path) -> dict:
+    """state.json once a daemon's commits have settled: it commits a creation it answered up
+    to COMMIT_DELAY later (daemon/deadline.py)."""
+    time.sleep(COMMIT_DELAY)
+    path = state_dir / "state.json"
+    text = path.read_text()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        text, last = path.read_text(), text
+        if text == last:
+            break
+    return json.loads(text)
 
 
 def check_agreement(daemon: Daemon, cri) -> dict[str, str]:

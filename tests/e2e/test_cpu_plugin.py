@@ -3,7 +3,6 @@ this 2-CPU machine: CPU 0 reserved (and shared), CPU 1 exclusive."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import sys
@@ -14,7 +13,7 @@ from harness import host
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
 
-from e2e.daemon import REPO, check_agreement, wait_for
+from e2e.daemon import REPO, check_agreement, settled_state, wait_for
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 ALL = "0-1"
@@ -164,7 +163,7 @@ def test_runtime_launched_plugin_without_synchronize_keeps_its_state(make_contai
     assert host.cpus_allowed_list(pid) == "0"
     cri.stop(again["q"])  # created in this session: its stop is reported, the pool grows
     wait_for("the shared container to get CPU 1 back", lambda: host.cpus_allowed_list(pid) == ALL)
-    state = json.loads((state_dir / "state.json").read_text())
+    state = settled_state(state_dir)
     assert state["assignments"] == {} and shared["s"] in state["sharing"]
 
 
@@ -228,7 +227,7 @@ def test_in_place_resize_through_cri(containerd, cri, daemon):
     with pytest.raises(CRIError, match="asks to grow from 1 to 2"):
         cri.update_resources(db["d"], cpu_request_milli=2000, cpu_limit_milli=2000)
     assert host.cpus_allowed_list(db_pid) == "1" and host.cpus_allowed_list(web_pid) == "0"
-    state = json.loads((daemon.state_dir / "state.json").read_text())
+    state = daemon.state()
     assert state["assignments"][db["d"]]["cpus"] == "1"
     check_agreement(daemon, cri)
 

@@ -17,9 +17,6 @@ fixture and an atexit hook are the safety nets: e2e/cpu_hotplug.py).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -28,7 +25,7 @@ from harness import host
 from harness.k8s import ContainerSpec, PodSpec
 
 from e2e.cpu_hotplug import check_hotpluggable, cpu_offline, restore_cpu
-from e2e.daemon import REPO, Daemon, check_agreement, wait_for
+from e2e.daemon import check_agreement, wait_for
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,15 +52,6 @@ def live(cri, cid: str) -> tuple[str, str, str]:
         host.proc_cgroups(pid)["cpuset"],
         host.cpus_allowed_list(pid),
     )
-
-
-def status(daemon: Daemon) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir", str(daemon.state_dir),
-         "--json"],
-        capture_output=True, check=True, cwd=REPO,
-    )  # fmt: skip
-    return json.loads(out.stdout)
 
 
 def test_offline_degrades_and_online_gives_the_cpu_back(containerd, cri, daemon):
@@ -97,7 +85,7 @@ def test_offline_degrades_and_online_gives_the_cpu_back(containerd, cri, daemon)
         )
         [degraded] = daemon.new_records("degraded")
         assert degraded["CONTAINER_ID"] == p and degraded["LOST_CPUS"] == "1"
-        report = status(daemon)
+        report = daemon.status()
         assert [a["container_id"] for a in report["degraded"]] == [p]
         applied = daemon.new_records("hotplug-applied")[-1]
         assert float(applied["LATENCY_MS"]) < 1000
@@ -111,7 +99,7 @@ def test_offline_degrades_and_online_gives_the_cpu_back(containerd, cri, daemon)
     assert "lost" not in daemon.state()["assignments"][p]
     assert daemon.new_records("cpu-restored")
     assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}
-    assert status(daemon)["degraded"] == []
+    assert daemon.status()["degraded"] == []
 
     # cgroup v1 had taken CPU 1 from every ancestor of the shared container too: when the
     # exclusive container stops, the shared one must be able to grow back to both CPUs.

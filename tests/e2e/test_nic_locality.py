@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from harness.k8s import ContainerSpec, PodSpec
 from netns_util import host_nic
 from sysfs_gen import MachineSpec, write_fake_device, write_sysfs
 
-from e2e.daemon import REPO, Daemon, check_agreement
+from e2e.daemon import Daemon, check_agreement
 from nri_cpuplugin.hardware import nic
 
 PLUGIN = Path(__file__).with_name("cni_test_plugin.py")
@@ -91,15 +90,6 @@ def daemon_with(containerd, tmp_path: Path, sysfs: str | None) -> Daemon:
     return Daemon(containerd.nri_socket, tmp_path / "state", config=config)
 
 
-def status(daemon: Daemon) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir", str(daemon.state_dir),
-         "--json", *(["--sysfs", daemon.sysfs] if getattr(daemon, "sysfs", None) else [])],
-        capture_output=True, check=True, cwd=REPO,
-    )  # fmt: skip
-    return json.loads(out.stdout)
-
-
 def pod_network(name: str, **kw) -> PodSpec:
     return PodSpec(name, qos="guaranteed", host_network=False, **kw)
 
@@ -117,7 +107,7 @@ def test_this_machines_virtio_nic_gives_no_preference(containerd, tmp_path, lowe
         device = f"{lower.parent_bus}/{lower.parent_dev}"
         assert f"net1 ({device} via {lower.name}, no NUMA preference)" in record["NICS"]
         assert "/netns/" in record["MESSAGE"]  # the runtime's namespace, found through NRI
-        [entry] = status(daemon)["assignments"]
+        [entry] = daemon.status(getattr(daemon, "sysfs", None))["assignments"]
         assert entry["nic_numa"] == "" and entry["nic_honoured"] == "-"
         assert any("net1" in n for n in entry["nics"])
         check_agreement(daemon, cri)
@@ -138,7 +128,7 @@ def test_a_nic_node_is_honoured_and_strict_locality_fails_cleanly(containerd, tm
         assert cri.wait_logs(cid, 1) == ["Cpus_allowed_list:\t1"]
         [record] = daemon.new_records("nic-locality")
         assert record["HONOURED"] == "honoured" and record["NIC_NUMA"] == "0"
-        [entry] = status(daemon)["assignments"]
+        [entry] = daemon.status(getattr(daemon, "sysfs", None))["assignments"]
         assert (entry["nic_numa"], entry["nic_honoured"]) == ("0", "yes")
 
         # The NIC's node has no free CPU left: strict locality refuses, through CRI, with why.

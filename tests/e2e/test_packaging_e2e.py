@@ -31,7 +31,7 @@ from harness import host
 from harness.containerd import Containerd, _toml
 from harness.k8s import ContainerSpec
 
-from e2e.daemon import wait_for
+from e2e.daemon import settled_state, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
@@ -241,7 +241,7 @@ def test_runtime_launched_install_pins_a_guaranteed_pod(
     pod = cri.run("pinned", [ContainerSpec.guaranteed("p", 1, command=FIRST_LINE)])
     [line] = cri.wait_logs(pod["p"], 1)
     # The configuration arrived through Configure: the state is where the .conf put it.
-    state = json.loads((state_dir / "state.json").read_text())
+    state = settled_state(state_dir)
     cpus = state["assignments"][pod["p"]]["cpus"]
     assert line == f"Cpus_allowed_list:\t{cpus}"  # pinned from its first instruction
     assert host.read_cgroup(cri.cgroup_path(pod["p"]), "cpuset.cpus") == cpus
@@ -377,7 +377,7 @@ def test_systemd_unit_command_runs_in_the_units_sandbox(
         cri = containerd.cri()
         pod = cri.run("pinned", [ContainerSpec.guaranteed("p", 1, command=FIRST_LINE)])
         [line] = cri.wait_logs(pod["p"], 1)
-        state = json.loads((state_dir / "state.json").read_text())
+        state = settled_state(state_dir)
         cpus = state["assignments"][pod["p"]]["cpus"]
         assert line == f"Cpus_allowed_list:\t{cpus}"
         assert host.read_cgroup(cri.cgroup_path(pod["p"]), "cpuset.cpus") == cpus

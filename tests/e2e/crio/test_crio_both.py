@@ -12,7 +12,6 @@ protocol), named by ``NRI_CPUPLUGIN_JOURNAL_SOCKET`` in the hook entries' enviro
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -86,15 +85,6 @@ def node(make_crio, tmp_path: Path, journal: JournalCatcher) -> Iterator[tuple[C
     daemon.stop()
 
 
-def status(state_dir: Path) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir", str(state_dir),
-         "--json"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    ).stdout  # fmt: skip
-    return json.loads(out)
-
-
 def test_the_daemon_places_and_the_hook_stands_aside(
     node: tuple[Crio, Daemon, Path], journal: JournalCatcher
 ) -> None:
@@ -113,7 +103,7 @@ def test_the_daemon_places_and_the_hook_stands_aside(
     assert not (state_dir / "hook-containers").exists()  # the hook wrote nothing at all
     assert [r["CPUS"] for r in daemon.records("allocate")] == ["1"]
     assert check_agreement(daemon, cri) == {"s": "0", "p": "1"}
-    report = status(state_dir)
+    report = daemon.status()
     assert report["daemon"] == {"pid": daemon.proc.pid, "running": True}
     assert [a["container_id"] for a in report["assignments"]] == [pinned["p"]]
 
@@ -145,7 +135,7 @@ def _agreed(daemon: Daemon, cri) -> bool:
 def test_while_the_daemon_is_down_the_hook_gives_nothing_away(
     node: tuple[Crio, Daemon, Path], journal: JournalCatcher
 ) -> None:
-    instance, daemon, state_dir = node
+    instance, daemon, _ = node
     cri = instance.cri()
     first = cri.run("first", [ContainerSpec.guaranteed("a", 1, command=FIRST_LINE)])
     assert cri.wait_logs(first["a"], 1) == ["Cpus_allowed_list:\t1"]
@@ -159,13 +149,13 @@ def test_while_the_daemon_is_down_the_hook_gives_nothing_away(
     assert warning["DAEMON_RUNNING"] == "False" and warning["PRIORITY"] == "4"
     assert "is not running" in warning["MESSAGE"]
     assert host.cpus_allowed_list(cri.inspect(first["a"]).pid) == "1"  # still alone there
-    assert status(state_dir)["daemon"]["running"] is False
+    assert daemon.status()["daemon"]["running"] is False
 
     daemon.start()  # back: its Synchronize moves the unpinned container off CPU 1 ...
     # ... through an update in its reply, which the runtime applies after the daemon's record.
     wait_for("CRI-O to apply the Synchronize reply", lambda: _agreed(daemon, cri), 10)
     assert check_agreement(daemon, cri) == {"a": "1", "b": "0"}
-    assert status(state_dir)["daemon"] == {"pid": daemon.proc.pid, "running": True}
+    assert daemon.status()["daemon"] == {"pid": daemon.proc.pid, "running": True}
 
 
 def test_two_daemons_on_one_state_directory_the_second_refuses(

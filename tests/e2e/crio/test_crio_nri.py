@@ -5,9 +5,7 @@ install from CRI-O's ``nri_plugin_dir`` and ``nri-cpuplugin status``."""
 
 from __future__ import annotations
 
-import json
 import shlex
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ from harness.cri import CRIClient, CRIError
 from harness.crio import Crio
 from harness.k8s import ContainerSpec, PodSpec
 
-from e2e.daemon import REPO, Daemon, check_agreement, wait_for
+from e2e.daemon import REPO, Daemon, check_agreement, settled_state, wait_for
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 ALL = "0-1"
@@ -168,12 +166,7 @@ def test_status_shows_what_the_daemon_placed(
     crio: Crio, crio_cri: CRIClient, daemon: Daemon
 ) -> None:
     pod = crio_cri.run("shown", [guaranteed("pinned")])
-    out = subprocess.run(
-        [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir",
-         str(daemon.state_dir), "--json"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    ).stdout  # fmt: skip
-    status = json.loads(out)
+    status = daemon.status()
     [shown] = status["assignments"]
     assert (shown["container_id"], shown["pod_name"], shown["cpus"]) == (
         pod["pinned"],
@@ -225,5 +218,5 @@ def test_runtime_launched_plugin_pins_and_comes_back_with_crio(
         cri.create_container(pod_id, guaranteed("x"))
     cri.stop(pinned["p"])  # CRI-O 1.36 resyncs launched plugins: the stop is reported
     wait_for("the shared container to get CPU 1 back", lambda: host.cpus_allowed_list(pid) == ALL)
-    state = json.loads((state_dir / "state.json").read_text())
+    state = settled_state(state_dir)
     assert state["assignments"] == {} and shared["s"] in state["sharing"]

@@ -24,7 +24,7 @@ from harness.k8s import ContainerSpec
 from harness.runc import hook_program
 
 from e2e.crio.hooksd import hook_files
-from e2e.daemon import REPO, wait_for
+from e2e.daemon import REPO, settled_state, wait_for
 
 PACKAGING = REPO / "packaging"
 NRI_DROP_IN = PACKAGING / "crio/10-nri-cpuplugin-nri.conf"
@@ -76,7 +76,7 @@ def test_nri_drop_in_and_the_runtime_launched_install(
     cri = instance.cri()
     pod = cri.run("pinned", [ContainerSpec.guaranteed("p", 1, command=FIRST_LINE)])
     assert cri.wait_logs(pod["p"], 1) == ["Cpus_allowed_list:\t1"]  # CPU 0 reserved
-    state = json.loads((state_dir / "state.json").read_text())
+    state = settled_state(state_dir)
     assert list(state["assignments"]) == [pod["p"]]
     assert (state_dir / "daemon.lock").read_text().strip().isdigit()
 
