@@ -84,11 +84,6 @@ log = logging.getLogger("nri_cpuplugin")
 BUDGET_SHARE = 0.75
 # At exit, how long to wait for work already answered (a late release) to be committed.
 DRAIN_TIMEOUT = 5.0
-# How long the commit of a creation already answered is put off (its own job, merged with any
-# commit that comes first).  Not longer: 0.2 s took 0.5 ms off CreateContainer, but moved the
-# fsync into the first moments of the new exclusive container, whose p99 iteration time then
-# grew by a quarter (docs/architecture.md, "The commit follows the answer").
-COMMIT_DELAY = 0.0
 
 
 class PhasedStore(StateStore):
@@ -123,7 +118,6 @@ class DeadlinePlugin(CPUPlugin):
 
     def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
         self.worker = Worker()
-        self._flush_due = False  # a commit put off by _commit_later is scheduled
         super().__init__(settings, audit, flags)
 
     def _build(self, settings: Settings) -> None:
@@ -285,26 +279,8 @@ class DeadlinePlugin(CPUPlugin):
         job = self.worker.job_here()
         return job is None or self.worker.deliver(reply) or job.answer != ERROR
 
-    def _commit_later(self, outcome: Outcome) -> None:
-        job = self.worker.job_here()
-        if job is None:
-            return super()._commit_later(outcome)
-        if outcome.state is not self.state:
-            self.state = outcome.state
-            self._unsaved = True
-            self.metrics.observe_state(self.state, self.policy.topology)
-        if self._unsaved and not self._flush_due:
-            self._flush_due = True
-            _call_soon(job.loop, job.loop.call_later, COMMIT_DELAY, self._flush_soon)
-        return None
-
-    def _flush_soon(self) -> None:
-        self.worker.submit("commit", self._flush, awaited=False)
-
     def _flush(self) -> None:
-        """Commit the state if its commit was put off (or failed): the next commit, if any
-        came first, wrote it already."""
-        self._flush_due = False
+        """Commit the state if its last commit failed (a full disk): before the daemon exits."""
         if self._unsaved:
             with self.store.locked():
                 self._commit(Outcome(self.state))

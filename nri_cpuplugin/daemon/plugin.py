@@ -90,8 +90,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
-        # The state in memory is not the one in the file: its commit was put off
-        # (``_commit_later``) or failed (a full disk).  The next commit writes it.
+        # The state in memory is not the one in the file: its commit failed (a full disk).
+        # The next commit writes it.
         self._unsaved = False
         # Shared containers whose cgroup asks for no scheduler domain of its own any more,
         # which halves the cost of each write (hardware/cpusets.stop_balancing), and whose
@@ -339,7 +339,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         the window is closed when the runtime returns; the answer carries the decision and the
         siblings the runtime must move itself.  The decision is audited and the state committed
         after it, while the runtime goes on creating the container (``_answer``,
-        ``_commit_later``).  An exclusive assignment is committed before the answer unless the
+        ``_commit``).  An exclusive assignment is committed before the answer unless the
         runtime lists its containers at every connection (Synchronize), which restores one that
         a crash kept from the state file (engine.reconcile adopts it)."""
         workload = from_nri(pod, container)
@@ -363,7 +363,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 # audited, and released again by the late part (daemon/deadline.py).
                 proceed = self._answer((adjust, updates))
                 if proceed and not committed:
-                    self._commit_later(outcome)
+                    self._commit(outcome)
                 elif not (proceed or committed) and siblings:
                     # Written for a decision that is not made after all: the pool as it is.
                     back = [self.engine.target(self.state, t.container_id) for t in siblings]
@@ -385,11 +385,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         the request was answered with an error meanwhile, and nothing more may be done.  Here
         (no worker) the reply goes when the handler returns."""
         return True
-
-    def _commit_later(self, outcome: Outcome) -> None:
-        """Commit what was answered already, where a crash before the commit loses nothing
-        (see create_container): here at once; the daemon puts it off (daemon/deadline.py)."""
-        self._commit(outcome)
 
     def _create(self, workload: Workload, locality: nic.Locality | None) -> tuple[Outcome, bool]:
         """Decide (the caller holds the lock), and commit first where the answer must wait

@@ -14,7 +14,6 @@ from pathlib import Path
 from harness import host
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.daemon.deadline import COMMIT_DELAY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,9 +130,8 @@ class Daemon:
 
 
 def settled_state(state_dir: Path) -> dict:
-    """state.json once a daemon's commits have settled: it commits a creation it answered up
-    to COMMIT_DELAY later (daemon/deadline.py)."""
-    time.sleep(COMMIT_DELAY)
+    """state.json once a daemon's commits have settled: it commits a creation after its
+    answer (daemon/plugin.py)."""
     path = state_dir / "state.json"
     text = path.read_text()
     deadline = time.monotonic() + 10
