@@ -90,8 +90,8 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
-        # The state in memory is not the one in the file: its commit failed (a full disk).
-        # The next commit writes it.
+        # The state in memory is not the one in the file: a creation's commit waits for its
+        # StartContainer (_hold), or a commit failed (a full disk).  The next commit writes it.
         self._unsaved = False
         # Shared containers whose cgroup asks for no scheduler domain of its own any more,
         # which halves the cost of each write (hardware/cpusets.stop_balancing), and whose
@@ -100,7 +100,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         self._cpusets = OpenCpusets()
         # Whether the runtime listed its containers on this connection (Synchronize), as it
         # then does at every connection: an exclusive assignment a crash kept from the state
-        # file comes back from that list, so it may be committed after the answer.
+        # file comes back from that list, so it may be committed after the answer (_hold).
         self.runtime_lists = False
         # CPUs that came back online while we ran (all online CPUs after a change while we
         # were down): cgroup v1 gave them to no cgroup made while they were offline.
@@ -334,14 +334,15 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        """Decide, move the siblings, answer; then audit and commit.  The shared siblings'
+        """Decide, move the siblings, answer; then audit.  The shared siblings'
         cgroups are written before the answer (kept-open files, a few microseconds each), so
         the window is closed when the runtime returns; the answer carries the decision and the
-        siblings the runtime must move itself.  The decision is audited and the state committed
-        after it, while the runtime goes on creating the container (``_answer``,
-        ``_commit``).  An exclusive assignment is committed before the answer unless the
-        runtime lists its containers at every connection (Synchronize), which restores one that
-        a crash kept from the state file (engine.reconcile adopts it)."""
+        siblings the runtime must move itself.  The decision is audited after it.  An
+        exclusive assignment is committed before the answer unless the runtime lists its
+        containers at every connection (Synchronize), which restores one that a crash kept
+        from the state file (engine.reconcile adopts it): then the container's StartContainer
+        commits it (``_hold``).  Without that list, a shared one is committed right after the
+        answer."""
         workload = from_nri(pod, container)
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
@@ -362,7 +363,9 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 # False: answered with an error meanwhile; what was committed already is
                 # audited, and released again by the late part (daemon/deadline.py).
                 proceed = self._answer((adjust, updates))
-                if proceed and not committed:
+                if proceed and not committed and self.runtime_lists:
+                    self._hold(outcome)
+                elif proceed and not committed:
                     self._commit(outcome)
                 elif not (proceed or committed) and siblings:
                     # Written for a decision that is not made after all: the pool as it is.
@@ -379,6 +382,17 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
             self.metrics.pinning_request()
         self.audit.emit(outcome.events)
         return adjust, updates
+
+    def _hold(self, outcome: Outcome) -> None:
+        """Take a creation's state without writing it: its StartContainer commits it, before
+        the container's first instruction, while the runtime waits for the answer instead of
+        storing the container (docs/architecture.md, "When the state is committed").  Only
+        once the runtime lists its containers at every connection: a crash meanwhile loses
+        nothing it would not list again."""
+        if outcome.state is not self.state:
+            self.state = outcome.state
+            self._unsaved = True
+            self.metrics.observe_state(outcome.state, self.policy.topology)
 
     def _answer(self, reply: object) -> bool:
         """Hand the reply to the runtime before the rest of the creation is done; False when
@@ -423,7 +437,11 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         One read for every other container.
 
         A shared container's cgroup is also made quick to write here (``_prepare_shared``),
-        where that costs its own start, not a later exclusive creation."""
+        where that costs its own start, not a later exclusive creation.  And the state its
+        creation decided is committed here (``_hold``)."""
+        if self._unsaved:
+            with self.store.locked():
+                self._commit(Outcome(self.state))
         [*targets] = self.engine.update(self.state, container.id).targets
         if not targets:
             return

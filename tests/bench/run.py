@@ -227,8 +227,8 @@ def section_plugin(quick: bool) -> list[str]:
         "The plugin's own handlers, in process, on this machine's topology (reserved CPU 0, "
         "exclusive CPU 1, one shared neighbour to update), until the answer; the state is "
         "committed with fsync to the checkout's disk. An exclusive creation is committed before "
-        "its answer until the runtime has listed its containers (Synchronize), after it from "
-        "then on; what follows the answer is waited for between requests, outside the figures:",
+        "its answer until the runtime has listed its containers (Synchronize), at the "
+        "container's StartContainer from then on; what follows the answer is waited for between requests, outside the figures:",
         "",
         "| handler | samples | median | p99 |",
         "|---|---|---|---|",

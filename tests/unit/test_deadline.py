@@ -397,21 +397,23 @@ def test_once_the_runtime_lists_its_containers_an_exclusive_answer_does_not_wait
 ):
     """After a Synchronize the runtime lists its containers at every connection, and a crash
     before the commit is repaired from that list (the container is adopted on its CPUs): the
-    exclusive creation is answered at once, and committed after the answer, in a job of its
-    own."""
+    exclusive creation is answered at once, and committed at the container's StartContainer,
+    before its first instruction."""
     plugin, records = make(tmp_path)
     db = pod("db")
+    pg = container("pg", db, 2000)
 
     async def scenario():
         await plugin.configure("", "containerd", "v2.1.9")
         await plugin.synchronize([], [])
         disk = SlowDisk(monkeypatch)
-        (adjust, _), elapsed = await timed(plugin.create_container(db, container("pg", db, 2000)))
+        (adjust, _), elapsed = await timed(plugin.create_container(db, pg))
         assert elapsed < BUDGET and adjust.linux.resources.cpu.cpus == "1,25"
-        assert await asyncio.to_thread(disk.entered.wait, 5)  # the commit runs after the answer
+        assert not await asyncio.to_thread(disk.entered.wait, 0.2)  # no commit after it
         assert CID["pg"] not in on_disk(plugin).assignments
         disk.go()
-        assert await plugin.drain()
+        await plugin.start_container(db, pg)
+        assert disk.entered.is_set()
 
     asyncio.run(scenario())
     assert not records.of("deadline")
@@ -552,7 +554,7 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
                 (CID["nginx"], pool)
             ]
             assert runtime.connections == 1
-            assert await plugin.drain()  # the commit follows the answer
+            assert await plugin.drain()  # the commit waits for StartContainer, or the exit
 
     asyncio.run(scenario())
     assert [r["EVENT"] for r in records.of("deadline")] == [

@@ -146,6 +146,19 @@ def test_quota_targets(cfs_quota, exclusive_quota, degraded_quota):
     assert [t.container_id for t in eng.followers(state)] == ["db-id"]
 
 
+def test_followers_are_the_targets_of_every_shared_and_degraded_container_in_id_order():
+    eng = engine("xeon-e5-2680v3-2s", "0,24")
+    state = eng.policy.empty_state()
+    for name, milli in (("web", 500), ("db", 2000), ("api", 250), ("cache", 1000)):
+        state = eng.create(state, wl(name, milli)).state
+    held = state.assignments["cache-id"]
+    state = state.evolve(assignments={**state.assignments, "cache-id": held.evolve(cpus=CPUSet())})
+    followers = eng.followers(state, exclude="web-id")
+    assert [t.container_id for t in followers] == ["api-id", "cache-id"]
+    assert followers == tuple(eng.target(state, t.container_id) for t in followers)
+    assert all(t.cpus == state.shared and not t.exclusive for t in followers)
+
+
 def test_synchronize_targets_every_live_container_and_drops_the_dead():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
     state = eng.create(eng.policy.empty_state(), wl("gone", 2000)).state
