@@ -125,8 +125,7 @@ class Engine:
         ids.discard(exclude)
         shared = state.shared
         return tuple(
-            self.target(state, cid) if cid in held else _in_pool(cid, shared)
-            for cid in sorted(ids)
+            self.target(state, cid) if cid in held else _in_pool(cid, shared) for cid in sorted(ids)
         )
 
     def _moved(self, before: NodeState, after: NodeState, exclude: str = "") -> tuple[Target, ...]:

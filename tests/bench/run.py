@@ -228,7 +228,8 @@ def section_plugin(quick: bool) -> list[str]:
         "exclusive CPU 1, one shared neighbour to update), until the answer; the state is "
         "committed with fsync to the checkout's disk. An exclusive creation is committed before "
         "its answer until the runtime has listed its containers (Synchronize), at the "
-        "container's StartContainer from then on; what follows the answer is waited for between requests, outside the figures:",
+        "container's StartContainer from then on; what follows the answer is waited for "
+        "between requests, outside the figures:",
         "",
         "| handler | samples | median | p99 |",
         "|---|---|---|---|",
