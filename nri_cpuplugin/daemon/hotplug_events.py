@@ -35,6 +35,7 @@ class HotplugEvents:
 
     _commit: Any
     _push: Any
+    _cpusets: Any
 
     hotplug: Any
     returned: Any
@@ -147,6 +148,7 @@ class HotplugEvents:
         back to the ancestors of all tracked containers on cgroup v1, where the kernel never
         restores them."""
         state = self.state
+        self._cpusets.written_elsewhere()
         try:
             layout = cgroupfs.detect(self.liveness.root)
         except cgroupfs.CgroupError as err:

@@ -36,6 +36,8 @@ class TargetWriter:
 
     def _update(self, target: Target, ignore_failure: bool = True) -> pb.ContainerUpdate:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
+        # The runtime writes this cgroup now: what we last wrote there no longer says what is.
+        self._cpusets.written_elsewhere(target.container_id)
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         fill_cpu(update.linux.resources.cpu, target)
         return update

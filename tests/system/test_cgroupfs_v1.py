@@ -254,3 +254,33 @@ def test_move_through_kept_open_files(box: CgroupSandbox) -> None:
     assert _read(box.cpuset_dir(leaf), "cpuset.cpus") == "0"
     files.close()
     assert len(files) == 0
+
+
+def test_a_nested_cgroup_refuses_a_kept_write_that_takes_its_cpus_and_the_general_path_moves_it(
+    box: CgroupSandbox,
+) -> None:
+    """Taking CPUs away through a kept file is not checked for nested cgroups beforehand: the
+    kernel refuses it (EBUSY) while a cgroup below still uses them, and the general path
+    moves the subtree, bottom-up."""
+    from nri_cpuplugin.hardware import cpusets
+    from nri_cpuplugin.hardware.cpuset_files import OpenCpusets
+
+    path = f"{box.top}/kubepods/burstable/pn/ctr"
+    box.make_cgroup(path)
+    proc = _spawn_in(box, path)
+    layout = cgroupfs.detect()
+    files = OpenCpusets()
+    everything = str(C(f"0-{LAST}"))
+
+    def move(cpus: str) -> cpusets.Applied:
+        return cpusets.move(layout, [cpusets.Target("n" * 64, path, C(cpus))], files=files)
+
+    assert move(everything) == cpusets.Applied([], [], {}) and len(files) == 1
+    inner = box.cpuset_dir(f"{path}/inner")
+    box.make_cgroup(f"{path}/inner")
+    _write(inner, "cpuset.cpus", LAST)
+    _write(inner, "cgroup.procs", str(proc.pid))
+    assert move("0") == cpusets.Applied([], [], {})
+    assert _read(inner, "cpuset.cpus") == "0" and _read(box.cpuset_dir(path), "cpuset.cpus") == "0"
+    assert host.cpus_allowed_list(proc.pid) == "0"
+    files.close()

@@ -3,6 +3,9 @@ files are tested in tests/system/test_cgroupfs_v1.py)."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -95,3 +98,29 @@ def test_write_kept_writes_only_what_is_open_and_returns_the_rest(tree):
     assert left == ["b", "c"]  # b has a cgroup nested below it, c's files are not kept
     assert (pod / "a" / "cpuset.cpus").read_text() == "0\n"
     assert (pod / "b" / "cpuset.cpus").read_text() == "0-47\n"
+
+
+def test_taking_cpus_away_is_one_write_and_a_refusal_goes_to_the_general_path(tree, monkeypatch):
+    """Only a write that adds CPUs checks for nested cgroups (cgroup v1 grows no child): the
+    kernel refuses to take CPUs a nested cgroup still uses (EBUSY), and the write is left to
+    the general path, the files still kept.  A write by the runtime in between makes the next
+    one checked again."""
+    layout, _ = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.write(fs, "a", "/kubepods/pod1/a", C("0-3"))
+    files._plain = False  # as on the kernel's files, where a refusal comes from the kernel
+    checks = []
+    real_fstat = os.fstat
+    monkeypatch.setattr("os.fstat", lambda fd: checks.append(fd) or real_fstat(fd))
+    assert files.write_kept([("a", C("0-1"))]) == [] and checks == []
+    assert files.write_kept([("a", C("0-2"))]) == [] and len(checks) == 1  # adds CPU 2
+
+    def refused(*args):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    monkeypatch.setattr("os.pwrite", refused)
+    assert files.write_kept([("a", C("0"))]) == ["a"] and "a" in files
+    files.written_elsewhere("a")
+    assert files.write_kept([("a", C("0"))]) == ["a"] and len(checks) == 2
+    files.close()
