@@ -499,12 +499,29 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:
+        """The container's CPUs go back to the shared pool.  Once the runtime lists its
+        containers, the answer goes first, and the shared containers' writes and the commit
+        follow it: a shared container given its CPUs a moment later runs nowhere it must not,
+        and a crash before the commit is repaired from the runtime's list, which shows the
+        container stopped.  Before that, commit, write, answer."""
         with self.store.locked():
-            outcome = self._commit(self.engine.stop(self.state, container.id))
+            outcome = self.engine.stop(self.state, container.id)
+            followers = [t for t in outcome.targets if t.container_id != container.id]
+            cids = [container.id, *(t.container_id for t in followers)]
+            if not self.runtime_lists:
+                self._commit(outcome)
+                updates = [self._update(t) for t in self._write_followers(followers)]
+                updates += self._carry_owed(cids)
+            else:
+                self._hold(outcome)
+                direct, runtime = self._split_followers(followers)
+                updates = [self._update(t) for t in runtime] + self._carry_owed(cids)
+                self._answer(updates)
+                # Not written after all: the next reply that can carry them does.
+                self._owed |= {t.container_id for t in self._write_direct(direct)}
+                self._commit(Outcome(self.state))
         self.audit.emit(outcome.events)
-        followers = [t for t in outcome.targets if t.container_id != container.id]
-        updates = [self._update(t) for t in self._write_followers(followers)]
-        return updates + self._carry_owed([container.id, *(t.container_id for t in followers)])
+        return updates
 
     def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         # Normally StopContainer released it already; if that was missed, the pool grows now

@@ -420,6 +420,50 @@ def test_once_the_runtime_lists_its_containers_an_exclusive_answer_does_not_wait
     assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")  # ... and completes
 
 
+def test_once_the_runtime_lists_its_containers_a_stop_is_answered_before_the_disk_and_writes(
+    tmp_path, monkeypatch
+):
+    """A stop gives CPUs back: nothing runs where it must not if the shared containers get
+    them a moment later, and a crash before the commit is repaired from the runtime's list.
+    So the answer goes first; a write that fails after it is owed to the next reply."""
+    plugin, records = make(tmp_path)
+    db, web = pod("db"), pod("web", "burstable")
+    pg, nginx = container("pg", db, 2000), container("nginx", web, 500)
+    written: list[str] = []
+
+    def split(targets):
+        return list(targets), []  # as if every sibling had a cgroupfs path
+
+    def write(direct):
+        written.extend(t.container_id for t in direct)
+        return direct  # every write fails
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.create_container(web, nginx)
+        await plugin.create_container(db, pg)
+        await plugin.start_container(db, pg)
+        monkeypatch.setattr(plugin, "_split_followers", split)
+        monkeypatch.setattr(plugin, "_write_direct", write)
+        disk = SlowDisk(monkeypatch)
+        updates, elapsed = await timed(plugin.stop_container(db, pg))
+        assert updates == [] and elapsed < BUDGET
+        assert await asyncio.to_thread(disk.entered.wait, 5)  # the commit follows the answer
+        assert CID["pg"] in on_disk(plugin).assignments and written == [CID["nginx"]]
+        disk.go()
+        assert await plugin.drain()
+        # The write that failed goes with the next reply.
+        _, updates = await plugin.create_container(web, container("php", web, 250))
+        assert [(u.container_id, u.linux.resources.cpu.cpus) for u in updates] == [
+            (CID["nginx"], str(ONLINE))
+        ]
+
+    asyncio.run(scenario())
+    assert not records.of("deadline")
+    assert CID["pg"] not in on_disk(plugin).assignments
+
+
 def test_a_commit_put_off_is_written_when_the_daemon_drains_before_it_exits(tmp_path):
     plugin, _ = make(tmp_path)
     db = pod("db")
