@@ -25,8 +25,8 @@ from .stats import summary
 
 def bench_dense_create(version: str, running: int, rounds: int) -> dict:
     """CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU container
-    beside ``running`` shared containers: with the plugin, a no-op plugin and no plugin, in
-    turn (who goes first rotates)."""
+    beside ``running`` shared containers, and its StopContainer (which gives the CPU back to
+    them): with the plugin, a no-op plugin and no plugin, in turn (who goes first rotates)."""
     sides = ("plugin", "noop", "none")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         runtimes = {side: stack.enter_context(Containerd(version, debug=False)) for side in sides}
@@ -48,6 +48,7 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         }
         create: dict[str, list[float]] = {side: [] for side in sides}
         start: dict[str, list[float]] = {side: [] for side in sides}
+        stop: dict[str, list[float]] = {side: [] for side in sides}
         window_open = 0
         for i in range(rounds + 2):
             for side in sides[i % 3 :] + sides[: i % 3]:
@@ -60,10 +61,12 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
                 cri.start(cid)
                 started = time.perf_counter()
                 cri.stop(cid, timeout=0)
+                stopped = time.perf_counter()
                 cri.remove(cid)
                 if i >= 2:  # the first rounds warm caches on both sides
                     create[side].append(created - began)
                     start[side].append(started - began)
+                    stop[side].append(stopped - started)
         converge = _convergence(runtimes["plugin"], daemon, pods["plugin"], shared_ids)
     return {
         "version": version,
@@ -72,6 +75,7 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         "create_start": {side: summary(v) for side, v in start.items()},
         "create_ratio": _ratio(create["plugin"], create["none"]),
         "create_start_ratio": _ratio(start["plugin"], start["none"]),
+        "stop_ratio": _ratio(stop["plugin"], stop["none"]),
         "noop_create_ratio": _ratio(create["noop"], create["none"]),
         "window_open": window_open,
         "converge_s": converge,
