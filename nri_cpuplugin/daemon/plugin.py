@@ -384,11 +384,12 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         return adjust, updates
 
     def _hold(self, outcome: Outcome) -> None:
-        """Take a creation's state without writing it: its StartContainer commits it, before
-        the container's first instruction, while the runtime waits for the answer instead of
-        storing the container (docs/architecture.md, "When the state is committed").  Only
-        once the runtime lists its containers at every connection: a crash meanwhile loses
-        nothing it would not list again."""
+        """Take the outcome's state without writing it yet: a creation's is committed by its
+        StartContainer, before the container's first instruction, while the runtime waits for
+        that answer instead of storing the container (docs/architecture.md, "When the state is
+        committed"); a stop's right after its answer.  Only once the runtime lists its
+        containers at every connection: a crash meanwhile loses nothing it would not list
+        again."""
         if outcome.state is not self.state:
             self.state = outcome.state
             self._unsaved = True
