@@ -260,7 +260,7 @@ class DeadlinePlugin(CPUPlugin):
     async def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
         """Wait up to ``timeout`` for the work queued so far - a late release, say - to be
         done, before the daemon exits; whether it was."""
-        return await self.worker.finished(self.worker.submit("drain", self._flush), timeout)
+        return await self.worker.finished(self.worker.submit("drain", self._write_held), timeout)
 
     # --- the work, on the worker thread ----------------------------------------------------------
 
@@ -278,12 +278,6 @@ class DeadlinePlugin(CPUPlugin):
     def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
         return job is None or self.worker.deliver(reply) or job.answer != ERROR
-
-    def _flush(self) -> None:
-        """Commit the state if its last commit failed (a full disk): before the daemon exits."""
-        if self._unsaved:
-            with self.store.locked():
-                self._commit(Outcome(self.state))
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         if durable and outcome.state is not self.state:

@@ -43,9 +43,9 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import Metrics, NoMetrics
-from ..storage import owner
-from ..storage.store import Expected, StateStore
+from ..storage.store import StateStore
 from .hotplug_events import HotplugEvents
+from .persistence import StateKeeping
 from .targets import TargetWriter, cpus_of, fill_cpu, spec_agrees
 from .unverified import UnverifiedContainers
 
@@ -56,12 +56,9 @@ LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNIN
 # turn a refusal into a timeout, and a timeout starts the container unpinned.  (The daemon's
 # DeadlinePlugin waits on its worker thread instead, and answers in time: daemon/deadline.py.)
 LOCK_TIMEOUT = 1.0
-# How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
-# a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.
-CLAIM_WAIT = 1.0
 
 
-class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
+class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter):
     """Handlers for nri.stub.Stub.  ``settings`` are defaults + file; ``flags`` win over both
     the file and the runtime's config string.  Every decision is the engine's
     (core/engine.py); this class turns events into engine calls and outcomes into replies."""
@@ -90,9 +87,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         # Containers whose target the runtime must apply itself (no direct write possible)
         # after a change outside any event: carried by the next reply that can (see _push).
         self._owed: set[str] = set()
-        # The state in memory is not the one in the file: a creation's commit waits for its
-        # StartContainer (_hold), or a commit failed (a full disk).  The next commit writes it.
-        self._unsaved = False
+        self._unsaved = False  # see StateKeeping
         # Shared containers whose cgroup asks for no scheduler domain of its own any more,
         # which halves the cost of each write (hardware/cpusets.stop_balancing), and whose
         # cpuset.cpus is kept open (hardware/cpuset_files.py): see _prepare_shared.
@@ -133,87 +128,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
     @property
     def policy(self) -> StaticPolicy:
         return self.engine.policy
-
-    # --- state ---------------------------------------------------------------------------------
-
-    def load_state(self) -> None:
-        """Read the state file; anything unusable is set aside and we start from empty (the
-        runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
-        self._claim_state_dir()
-        policy = self.policy
-        with self.store.locked(timeout=-1):
-            result = self.store.load(Expected(policy.name, None, policy.reserved))
-            loaded = self.engine.load(result.state, result.problem, result.quarantined)
-            if loaded.set_aside:
-                self.store.set_aside()
-            if loaded.state == result.state:  # nothing changed: nothing written (a full disk)
-                self.state = loaded.state
-            else:
-                self._commit(Outcome(loaded.state))
-        self.audit.emit(loaded.events)
-        state = self.state
-        self.unverified = set(state.assignments) | set(state.sharing)
-        if not loaded.trusted:
-            self._learn_pinned()
-        if loaded.followed is not None and loaded.trusted:
-            # Repair the containers we know now (containerd 1.7 sends a launched plugin no
-            # Synchronize), and again at Synchronize for those only the runtime knows.
-            self._repair_cgroups(sorted(set(state.assignments) | set(state.sharing)))
-            self._cgroups_stale = True
-            self.returned = self.policy.topology.online
-
-    def _claim_state_dir(self) -> None:
-        """Hold the daemon's claim on the state directory for as long as this process runs
-        (again if the runtime's configuration moved it).  Raises ClaimError when another
-        daemon holds it: two daemons would both answer for every container."""
-        state_dir = self.settings.state_dir
-        if self._claim is not None:
-            if self._claim[0] == state_dir:
-                return
-            os.close(self._claim[1])
-            self._claim = None
-        dir_fd = self.store.open_dir()
-        try:
-            self._claim = (state_dir, owner.claim(dir_fd, state_dir, CLAIM_WAIT))
-        finally:
-            os.close(dir_fd)
-
-    def release_claim(self) -> None:
-        """Give up the claim on the state directory, as the kernel does when the process ends
-        (tests run several daemons in turn in one process)."""
-        if self._claim is not None:
-            os.close(self._claim[1])
-            self._claim = None
-
-    def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
-        """Commit the outcome's state (the caller holds the lock) before anything is applied.
-
-        A state that cannot be written (a full disk, a read-only directory) is kept in memory
-        and written with the next commit that succeeds - what shared containers run on can
-        always be derived again - unless ``durable``: an exclusive assignment that a crash
-        could forget must not be handed out, so the error goes to the caller."""
-        new_state = outcome.state
-        # The engine returns the very state it was given when nothing changed.
-        if new_state is self.state and not self._unsaved:
-            return outcome
-        try:
-            timing = self.store.commit(new_state)
-        except OSError as err:
-            if durable:
-                raise
-            self._unsaved = True
-            self.audit.record(
-                "state-unsaved",
-                f"the state could not be written, kept in memory until it can: {err}",
-                audit_mod.WARNING,
-                reason=str(err),
-            )
-        else:
-            self._unsaved = False
-            self.metrics.observe_commit(timing.total_seconds)
-        self.state = new_state
-        self.metrics.observe_state(new_state, self.policy.topology)
-        return outcome
 
     # --- metrics -------------------------------------------------------------------------------
 
@@ -383,18 +297,6 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         self.audit.emit(outcome.events)
         return adjust, updates
 
-    def _hold(self, outcome: Outcome) -> None:
-        """Take the outcome's state without writing it yet: a creation's is committed by its
-        StartContainer, before the container's first instruction, while the runtime waits for
-        that answer instead of storing the container (docs/architecture.md, "When the state is
-        committed"); a stop's right after its answer.  Only once the runtime lists its
-        containers at every connection: a crash meanwhile loses nothing it would not list
-        again."""
-        if outcome.state is not self.state:
-            self.state = outcome.state
-            self._unsaved = True
-            self.metrics.observe_state(outcome.state, self.policy.topology)
-
     def _answer(self, reply: object) -> bool:
         """Hand the reply to the runtime before the rest of the creation is done; False when
         the request was answered with an error meanwhile, and nothing more may be done.  Here
@@ -440,9 +342,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
         A shared container's cgroup is also made quick to write here (``_prepare_shared``),
         where that costs its own start, not a later exclusive creation.  And the state its
         creation decided is committed here (``_hold``)."""
-        if self._unsaved:
-            with self.store.locked():
-                self._commit(Outcome(self.state))
+        self._write_held()
         [*targets] = self.engine.update(self.state, container.id).targets
         if not targets:
             return
@@ -520,7 +420,7 @@ class CPUPlugin(HotplugEvents, UnverifiedContainers, TargetWriter):
                 self._answer(updates)
                 # Not written after all: the next reply that can carry them does.
                 self._owed |= {t.container_id for t in self._write_direct(direct)}
-                self._commit(Outcome(self.state))
+                self._commit(outcome)
         self.audit.emit(outcome.events)
         return updates
 
