@@ -2,7 +2,8 @@
 
 A decision is committed to the state file before the reply leaves, so a crash can lose a
 reply but never a decision - except where the runtime gives every decision back after a crash
-(a creation, once the runtime lists its containers at each connection: ``create_container``).
+(a creation or a stop, once the runtime lists its containers at each connection: see
+daemon/persistence.py).
 Every event that moves CPUs moves all shared-pool containers before its reply leaves (written
 directly, or as updates in the reply), so there is no instant at which a shared container may
 run on a CPU that was just made exclusive (kubelet leaves that window open for up to 10 s).
@@ -277,10 +278,8 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
                 # False: answered with an error meanwhile; what was committed already is
                 # audited, and released again by the late part (daemon/deadline.py).
                 proceed = self._answer((adjust, updates))
-                if proceed and not committed and self.runtime_lists:
-                    self._hold(outcome)
-                elif proceed and not committed:
-                    self._commit(outcome)
+                if proceed and not committed:
+                    (self._hold if self.runtime_lists else self._commit)(outcome)
                 elif not (proceed or committed) and siblings:
                     # Written for a decision that is not made after all: the pool as it is.
                     back = [self.engine.target(self.state, t.container_id) for t in siblings]
