@@ -85,8 +85,20 @@ def ours(annotations: Mapping[str, str], container_name: str) -> dict[str, str]:
     unrelated annotations, and its siblings' container-specific ones are not its own): at most
     eight keys.  Values are cut to MAX_VALUE + 1 characters: ``lookup`` refuses a cut value
     exactly as it refuses the whole one, so what is kept decides the same."""
-    names = (*KEYS, *(f"{key}{CONTAINER_SUFFIX}{container_name}" for key in KEYS))
+    names = _names_for(container_name)
     return {k: annotations[k][: MAX_VALUE + 1] for k in names if k in annotations}
+
+
+def read(annotations: Mapping[str, str], container_name: str) -> dict[str, str]:
+    """Every annotation a decision reads for this container, whole: ``ours`` and CRI-O's quota
+    one.  Looked up key by key, never iterated: a runtime's map of a pod's annotations is slow
+    to walk, and the decision waits for this."""
+    names = (*_names_for(container_name), CRIO_CPU_QUOTA)
+    return {k: annotations[k] for k in names if k in annotations}
+
+
+def _names_for(container_name: str) -> tuple[str, ...]:
+    return (*KEYS, *(f"{key}{CONTAINER_SUFFIX}{container_name}" for key in KEYS))
 
 
 def echo(value: str) -> str:

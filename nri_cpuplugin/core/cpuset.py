@@ -20,7 +20,9 @@ MAX_CPU_ID = 1 << 16
 class CPUSet(frozenset[int]):
     """A frozenset of non-negative CPU ids that prints itself in cpulist format."""
 
-    __slots__ = ()
+    # The text form, made on first use: one set is printed many times over (every sibling's
+    # write, the answer, the audit records), and sets never change.
+    __slots__ = ("_text",)
 
     def __new__(cls, cpus: Iterable[int] = ()) -> CPUSet:
         self = super().__new__(cls, cpus)
@@ -71,7 +73,11 @@ class CPUSet(frozenset[int]):
             yield run_start, run_end
 
     def __str__(self) -> str:
-        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges())
+        try:
+            return self._text
+        except AttributeError:
+            self._text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges())
+            return self._text
 
     def __repr__(self) -> str:
         return f"CPUSet({str(self)!r})"

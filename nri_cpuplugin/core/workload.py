@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from ..base.value import Value
+from . import annotation
 
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
 if TYPE_CHECKING:
@@ -101,12 +102,15 @@ def from_nri(pod: object, container: object) -> Workload:
     """
     cpu = container.linux.resources.cpu  # type: ignore[attr-defined]
     shares = _optional(cpu, "shares")
-    annotations = {**pod.annotations, **container.annotations}  # type: ignore[attr-defined]
     labels = container.labels  # type: ignore[attr-defined]
+    name = container.name or labels.get("io.kubernetes.container.name", "")  # type: ignore[attr-defined]
+    # Only what the policy reads, the container's own values over the pod's.
+    annotations = annotation.read(pod.annotations, name)  # type: ignore[attr-defined]
+    annotations.update(annotation.read(container.annotations, name))  # type: ignore[attr-defined]
     cgroup_parent = pod.linux.cgroup_parent  # type: ignore[attr-defined]
     return Workload(
         container_id=container.id,  # type: ignore[attr-defined]
-        container_name=container.name or labels.get("io.kubernetes.container.name", ""),  # type: ignore[attr-defined]
+        container_name=name,
         pod_uid=pod.uid or labels.get("io.kubernetes.pod.uid", ""),  # type: ignore[attr-defined]
         pod_name=pod.name,  # type: ignore[attr-defined]
         pod_namespace=pod.namespace,  # type: ignore[attr-defined]

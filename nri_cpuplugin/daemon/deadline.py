@@ -32,6 +32,9 @@ containers' cgroup writes that precede a creation's answer.  So:
   RemoveContainer, RemovePodSandbox, UpdatePodSandbox   (empty)
   ====================================================  ===================================
 
+  (RunPodSandbox is answered at once, on the event loop: it only starts reading the pod's
+  interfaces in the background, daemon/pod_nics.py.)
+
 * **The job goes on, and what it does late agrees with the answer** (``deadline-late``): an
   exclusive decision answered with an error is not made - checked when the job starts, once
   it holds the lock and just before the commit - or released again at once if its commit was
@@ -135,14 +138,14 @@ class DeadlinePlugin(CPUPlugin):
 
     # --- NRI handlers --------------------------------------------------------------------------
 
-    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> int | None:
         # Settings and the state are the worker's, where a late job of the last connection may
         # still run.  No budget: a Configure that cannot finish is no connection at all, and the
         # stub's guard answers it.
         job = self.worker.submit("Configure", self._apply_config, config)
         await self.worker.finished(job, None)
         job.outcome()
-        await super().configure(config, runtime_name, runtime_version)
+        return await super().configure(config, runtime_name, runtime_version)
 
     async def create_container(
         self, pod: pb.PodSandbox, container: pb.Container

@@ -30,15 +30,24 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..core import annotation
 from ..core.cpuset import CPUSet
 from ..core.engine import Engine, LiveContainer, Outcome
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover
-from ..core.workload import Workload, from_nri, millicores_from_quota, millicores_from_shares
+from ..core.workload import (
+    GUARANTEED,
+    Workload,
+    from_nri,
+    millicores_from_quota,
+    millicores_from_shares,
+    qos_from_cgroup_parent,
+)
 from ..hardware import hotplug, nic
 from ..hardware.cpuset_files import OpenCpusets
 from ..hardware.liveness import Liveness
+from ..nri.handlers import EVENT_BITS
 from ..nri.pb import nri_pb2 as pb
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
@@ -47,6 +56,7 @@ from ..ops.metrics import Metrics, NoMetrics
 from ..storage.store import StateStore
 from .hotplug_events import HotplugEvents
 from .persistence import StateKeeping
+from .pod_nics import PodNICs
 from .targets import TargetWriter, cpus_of, fill_cpu, spec_agrees
 from .unverified import UnverifiedContainers
 
@@ -94,6 +104,8 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         # cpuset.cpus is kept open (hardware/cpuset_files.py): see _prepare_shared.
         self._unbalanced: set[str] = set()
         self._cpusets = OpenCpusets()
+        # The interfaces of Guaranteed pods' namespaces, read as each pod starts.
+        self.pod_nics = PodNICs()
         # Whether the runtime listed its containers on this connection (Synchronize), as it
         # then does at every connection: an exclusive assignment a crash kept from the state
         # file comes back from that list, so it may be committed after the answer (_hold).
@@ -163,7 +175,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
 
     # --- NRI handlers --------------------------------------------------------------------------
 
-    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+    async def configure(self, config: str, runtime_name: str, runtime_version: str) -> int | None:
         self.audit.common["RUNTIME"] = f"{runtime_name} {runtime_version}".strip()
         self._apply_config(config)
         self._start_sweep()
@@ -184,6 +196,10 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
             nri_version=nri,
         )
         self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
+        if self.settings.nic_read_ahead or self.stub is None:
+            return None  # every handler's event
+        # Without the read-ahead, RunPodSandbox would only cost each pod a round trip.
+        return self.stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
 
     def _apply_config(self, config: str) -> None:
         """Settings from the runtime's config string (rebuilt when they changed), and the
@@ -218,6 +234,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self.runtime_lists = True
         self._unbalanced &= specs.keys()
         self._cpusets.keep_only(specs)
+        self.pod_nics.keep_only(pod.uid for pod in pods)
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
@@ -432,7 +449,22 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self.audit.emit(outcome.events)
         self._push(outcome.targets, "container removed")
 
+    def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
+        """A pod started, its network set up: if it can hold exclusive containers, its
+        interfaces are read now, in the background, for their NIC locality
+        (daemon/pod_nics.py).  Nothing else: answered at once, on the event loop."""
+        netns = nic.netns_path(pod.linux.namespaces)
+        parent = pod.linux.cgroup_parent
+        if not self.settings.nic_read_ahead or netns is None or not parent:
+            return
+        if qos_from_cgroup_parent(parent) != GUARANTEED:
+            return
+        if pod.annotations.get(annotation.NIC_LOCALITY, "").strip().lower() == "off":
+            return
+        self.pod_nics.read_ahead(pod.uid, netns)
+
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
+        self.pod_nics.forget(pod.uid)
         with self.store.locked():
             outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
         self.audit.emit(outcome.events)
@@ -494,10 +526,16 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         chosen, so nobody else pays for the netlink round trips)."""
         if self.policy.eligibility(workload)[0] is None:
             return None
-        return nic.locality(
-            nic.netns_path(pod.linux.namespaces),
+        netns = nic.netns_path(pod.linux.namespaces)
+        read = self.pod_nics.lister_for(pod.uid, netns) if netns is not None else None
+        locality = nic.locality(
+            netns,
             workload.annotations,
             workload.container_name,
             self.settings.sysfs,
             self.policy.topology,
+            read,
         )
+        if read is None:
+            return locality
+        return locality.evolve(note=f"{locality.note} (interfaces read when the pod started)")

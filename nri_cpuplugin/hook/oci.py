@@ -13,6 +13,7 @@ import os
 from ..base import files, jsonbytes, shape
 from ..base.errors import PluginError
 from ..base.value import Value
+from ..core import annotation
 from ..core.workload import (
     BESTEFFORT,
     Workload,
@@ -257,7 +258,7 @@ def from_oci(
         qos=qos_from_cgroup(cgroup_path),
         cpu_request_milli=millicores_from_shares(config.shares) if config.shares else 0,
         cpu_limit_milli=millicores_from_quota(config.quota, config.period),
-        annotations=config.annotations,
+        annotations=annotation.read(config.annotations, container_name),
         cgroup_path=cgroup_path,
     )
 

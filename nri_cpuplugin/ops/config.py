@@ -59,6 +59,8 @@ class Settings(Value):
     # Seconds within which every NRI request is answered, decided or not (daemon/deadline.py).
     nri_request_budget: float = 1.5
     metrics_listen: str | None = None
+    # Read Guaranteed pods' interfaces when their sandbox starts (daemon/pod_nics.py).
+    nic_read_ahead: bool = True
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -77,6 +79,7 @@ _TOP = {
     "cfs_quota": "cfs_quota",
     "sysfs": "sysfs",
     "log_level": "log_level",
+    "nic_read_ahead": "nic_read_ahead",
 }
 _TABLES = {
     "nri": {
@@ -245,6 +248,10 @@ def _check(field: str, value: Any, where: str) -> Any:
         return tuple(value)
     if field == "cfs_quota":
         return _choice(value, CFS_QUOTA_MODES, where)
+    if field == "nic_read_ahead":
+        if type(value) is not bool:
+            raise ConfigError(f"{where} = {value!r}: expected true or false")
+        return value
     if field == "log_level":
         return _choice(value, LOG_LEVELS, where)
     if field == "nri_index":

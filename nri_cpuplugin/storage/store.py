@@ -163,27 +163,20 @@ class StateStore:
         """An O_DIRECTORY handle on the state directory, created (0700) if missing, after
         checking it is ours alone: owned by this user (root) and not writable by group or
         others - else anyone who can write there could plant links or replace our files."""
-        if create:
-            try:
-                os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-            except FileExistsError:
-                raise StateDirError(
-                    f"state directory {self.state_dir} exists but is not a directory; remove "
-                    "it or configure another state directory"
-                ) from None
-            except OSError as err:
-                raise StateDirError(
-                    f"cannot create state directory {self.state_dir}: {err.strerror or err}"
-                ) from None
         try:
             fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise files.FileError(
-                f"state directory {self.state_dir} does not exist", "missing", self.state_dir
-            ) from None
+            if not create:
+                raise files.FileError(
+                    f"state directory {self.state_dir} does not exist", "missing", self.state_dir
+                ) from None
+            # Made only when missing: every lock opens the directory, and it exists but once.
+            self._make_dir()
+            return self.open_dir(create=False)
         except NotADirectoryError:
+            what = "exists but is not" if os.path.lexists(self.state_dir) else "is not"
             raise StateDirError(
-                f"state directory {self.state_dir} is not a directory; remove it or configure "
+                f"state directory {self.state_dir} {what} a directory; remove it or configure "
                 "another state directory"
             ) from None
         except OSError as err:
@@ -204,6 +197,19 @@ class StateStore:
                 f"{self.state_dir} && chmod 0700 {self.state_dir}`, or configure another one"
             )
         return fd
+
+    def _make_dir(self) -> None:
+        try:
+            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        except FileExistsError:
+            raise StateDirError(
+                f"state directory {self.state_dir} exists but is not a directory; remove "
+                "it or configure another state directory"
+            ) from None
+        except OSError as err:
+            raise StateDirError(
+                f"cannot create state directory {self.state_dir}: {err.strerror or err}"
+            ) from None
 
     # --- locking ---------------------------------------------------------------------------
 

@@ -14,12 +14,10 @@ and generated 2- and 8-node machines in tests/system/test_nic.py.
 
 from __future__ import annotations
 
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import pytest
+from harness import cni
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
 from netns_util import host_nic
@@ -28,12 +26,6 @@ from sysfs_gen import MachineSpec, write_fake_device, write_sysfs
 from e2e.daemon import Daemon, check_agreement
 from nri_cpuplugin.hardware import nic
 
-PLUGIN = Path(__file__).with_name("cni_test_plugin.py")
-CRI_RUNTIME_PLUGIN = {
-    "1.7": "io.containerd.grpc.v1.cri",
-    "2.1": "io.containerd.cri.v1.runtime",
-    "2.3": "io.containerd.cri.v1.runtime",
-}
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 
 
@@ -44,33 +36,9 @@ def lower():
 
 @pytest.fixture
 def containerd(make_containerd, containerd_version, lower):
-    """containerd with our CNI plugin; network namespaces below its own state directory, so
-    the harness's teardown unmounts whatever a failed test leaves."""
-    ctrd = make_containerd(
-        start=False,
-        config_overrides={
-            "plugins": {
-                CRI_RUNTIME_PLUGIN[containerd_version]: {"netns_mounts_under_state_dir": True}
-            }
-        },
-    )
-    bin_dir, conf_dir = ctrd.dir / "cni/bin", ctrd.dir / "cni/net.d"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    conf_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("nri-test-cni", "loopback"):
-        script = bin_dir / name
-        # Quoted: the checkout (and with it the interpreter) may have spaces in its path.
-        script.write_text(f'#!/bin/sh\nexec {shlex.join([sys.executable, str(PLUGIN)])} "$@"\n')
-        script.chmod(0o755)
-    (conf_dir / "10-nri-test.conflist").write_text(
-        json.dumps(
-            {
-                "cniVersion": "1.0.0",
-                "name": "nri-test",
-                "plugins": [{"type": "nri-test-cni", "lower": lower.name}],
-            }
-        )
-    )
+    """containerd with the CNI test plugin (harness/cni.py)."""
+    ctrd = make_containerd(start=False, config_overrides=cni.overrides(containerd_version))
+    cni.install(ctrd, lower.name)
     ctrd.start()
     return ctrd
 
@@ -107,10 +75,23 @@ def test_this_machines_virtio_nic_gives_no_preference(containerd, tmp_path, lowe
         device = f"{lower.parent_bus}/{lower.parent_dev}"
         assert f"net1 ({device} via {lower.name}, no NUMA preference)" in record["NICS"]
         assert "/netns/" in record["MESSAGE"]  # the runtime's namespace, found through NRI
+        # Read when the pod started (RunPodSandbox comes after CNI set up net1), not now.
+        assert "(interfaces read when the pod started)" in record["MESSAGE"]
         [entry] = daemon.status(getattr(daemon, "sysfs", None))["assignments"]
         assert entry["nic_numa"] == "" and entry["nic_honoured"] == "-"
         assert any("net1" in n for n in entry["nics"])
         check_agreement(daemon, cri)
+
+        # A daemon started after the pod did reads the interfaces at the creation: the same.
+        cri.stop(cid, timeout=0)
+        cri.remove(cid)
+        daemon.stop()
+        daemon.start()
+        again = cri.create_container(pod_id, ContainerSpec.guaranteed("app2", 1))
+        cri.start(again)
+        [record] = daemon.new_records("nic-locality")
+        assert f"net1 ({device} via {lower.name}, no NUMA preference)" in record["NICS"]
+        assert "read when the pod started" not in record["MESSAGE"]
     finally:
         daemon.stop()
 

@@ -61,6 +61,8 @@ def test_reserved_cpus_as_a_list_and_default_count():
         ),
         ("policy_options = 'full-pcpus-only'", "expected a list of option names"),
         ("cfs_quota = 'off'", "cfs_quota = 'off': expected one of unlimited, keep"),
+        ("nic_read_ahead = 'yes'", "nic_read_ahead = 'yes': expected true or false"),
+        ("nic_read_ahead = 1", "nic_read_ahead = 1: expected true or false"),
         ("log_level = 'loud'", "expected one of debug, info, warning, error"),
         ("[nri]\nindex = 5", "expected two digits as a string"),
         ("[nri]\nname = 'cpu plugin'", "letters, digits and _.+- only"),

@@ -7,6 +7,7 @@ the kernel's ``%*pbl`` print.
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
@@ -103,6 +104,13 @@ def test_value_semantics() -> None:
     assert a == frozenset({0, 1, 2, 3}) and hash(a) == hash(frozenset({0, 1, 2, 3}))
     assert {a: 1}[CPUSet([3, 2, 1, 0])] == 1
     assert a.copy() is a
+
+
+def test_a_printed_set_prints_the_same_and_its_results_print_their_own() -> None:
+    a = CPUSet.parse("0-3")
+    assert str(a) == str(a) == "0-3"  # the second from the kept text
+    assert str(a - {1}) == "0,2-3" and str(a | {8}) == "0-3,8" and str(a & {9}) == ""
+    assert pickle.loads(pickle.dumps(a)) == a and str(pickle.loads(pickle.dumps(a))) == "0-3"
 
 
 OPERATIONS = [

@@ -219,6 +219,32 @@ def test_workload_matches_the_nri_path(
     assert dict(from_hook.annotations) == dict(from_plugin.annotations)
 
 
+def test_a_workload_keeps_only_the_annotations_a_decision_reads() -> None:
+    pod_wide = {
+        "exclusive-cpus.nri-cpuplugin.io": "true",
+        "isolated-cpus.nri-cpuplugin.io/container.c": "true",
+        "cpu-quota.crio.io": "disable",
+        "kubectl.kubernetes.io/last-applied-configuration": "x" * 5000,
+        "nics.nri-cpuplugin.io/container.other": "eth9",
+    }
+    sandbox = pb.PodSandbox(id="sb", name="p", uid="uid", namespace="ns")
+    sandbox.annotations.update(pod_wide)
+    c = pb.Container(id="ctr", pod_sandbox_id="sb", name="c")
+    c.annotations.update({"exclusive-cpus.nri-cpuplugin.io": "false", "unrelated": "1"})
+    expected = {
+        "exclusive-cpus.nri-cpuplugin.io": "false",  # the container's value wins
+        "isolated-cpus.nri-cpuplugin.io/container.c": "true",
+        "cpu-quota.crio.io": "disable",
+    }
+    assert dict(from_nri(sandbox, c).annotations) == expected
+    state = oci.OCIState("ctr", "creating", 7, "/b", {})
+    config = oci.OCIConfig({**pod_wide, **c.annotations}, 1024, 0, 100000)
+    identity = ("uid", "p", "ns", "c")
+    assert dict(oci.from_oci(state, config, "/kubepods/poduid/ctr", identity).annotations) == (
+        expected
+    )
+
+
 def test_outside_kubepods_is_never_guaranteed() -> None:
     assert oci.qos_from_cgroup("/libpod_parent/libpod-abc") == "besteffort"
     assert oci.qos_from_cgroup("/kubepods/podx/abc") == "guaranteed"

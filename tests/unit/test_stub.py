@@ -443,9 +443,9 @@ def test_cpu_plugin_is_not_flagged(tmp_path):
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
     plugin = CPUPlugin(settings, Audit(lambda record: None))
     stub = Stub(plugin, "cpuplugin", "50")
-    # create (4), start (6), update (8), stop (10), remove_container (11),
+    # create (4), start (6), update (8), stop (10), remove_container (11), run_pod_sandbox (1),
     # remove_pod_sandbox (3), update_pod_sandbox (12; only where the runtime's NRI is >= 0.10)
-    assert stub.events == 0x8 | 0x20 | 0x80 | 0x200 | 0x400 | 0x4 | 0x800
+    assert stub.events == 0x8 | 0x20 | 0x80 | 0x200 | 0x400 | 0x1 | 0x4 | 0x800
 
 
 # --- NRI 0.10-0.12: the runtime's version, pod updates, per-event methods ---------------------

@@ -1,0 +1,135 @@
+"""Pods' interfaces read ahead at RunPodSandbox (daemon/pod_nics.py), alone and in the plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from nri_messages import container, pod
+from topologies import build
+
+from nri_cpuplugin.core import annotation
+from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.daemon.pod_nics import PodNICs
+from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.nri.handlers import EVENT_BITS
+from nri_cpuplugin.nri.stub import Stub
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+
+NETNS = "/var/run/netns/cni-1234"
+ETH0 = nic.Link(2, "eth0", "veth", "", "", 7, 0, False)
+LISTING = ([ETH0], None)
+
+
+class Lister:
+    """Counts its calls and the threads they came from; ``gate`` holds each call."""
+
+    def __init__(self, result=LISTING, gate: threading.Event | None = None):
+        self.result, self.gate = result, gate
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, netns: str):
+        self.calls.append((netns, threading.current_thread().name))
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def test_a_pod_read_ahead_is_read_once_off_the_caller_thread_and_answers_its_namespace_only():
+    lister = Lister()
+    nics = PodNICs(lister)
+    nics.read_ahead("uid-a", NETNS)
+    read = nics.lister_for("uid-a", NETNS)
+    assert read is not None and read(NETNS) == LISTING
+    assert lister.calls == [(NETNS, "nri-cpuplugin-pod-nics")]
+    assert nics.lister_for("uid-a", "/var/run/netns/other") is None  # not what was read
+    assert nics.lister_for("uid-b", NETNS) is None  # never read: the caller reads itself
+
+
+def test_a_creation_waits_for_a_read_still_running():
+    gate = threading.Event()
+    nics = PodNICs(Lister(gate=gate))
+    nics.read_ahead("uid-a", NETNS)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(nics.lister_for("uid-a", NETNS)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # waiting for the read
+    gate.set()
+    waiter.join(10)
+    assert got[0] is not None and got[0](NETNS) == LISTING
+
+
+def test_a_failed_read_leaves_the_creation_to_read_for_itself():
+    nics = PodNICs(Lister(nic.NICError("cannot open network namespace: gone")))
+    nics.read_ahead("uid-a", NETNS)
+    assert nics.lister_for("uid-a", NETNS) is None
+
+
+def test_entries_go_with_their_pods_and_are_bounded():
+    nics = PodNICs(Lister(), limit=2)
+    for uid in ("a", "b", "c"):
+        nics.read_ahead(uid, NETNS)
+    assert len(nics) == 2 and nics.lister_for("a", NETNS) is None  # the oldest went
+    nics.read_ahead("b", NETNS)  # read again: now the newest
+    nics.read_ahead("d", NETNS)
+    assert nics.lister_for("c", NETNS) is None and nics.lister_for("b", NETNS) is not None
+    nics.forget("b")
+    assert nics.lister_for("b", NETNS) is None
+    nics.keep_only(["x"])
+    assert len(nics) == 0
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
+    records: list[dict] = []
+    plugin = CPUPlugin(settings, Audit(records.append))
+    plugin.load_state()
+    plugin.records = records
+    return plugin
+
+
+def in_netns(sandbox, path=NETNS):
+    sandbox.linux.namespaces.add(type="network", path=path)
+    return sandbox
+
+
+def test_the_plugin_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugin):
+    lister = Lister()
+    plugin.pod_nics.lister = lister
+    db = in_netns(pod("db"))
+    plugin.run_pod_sandbox(db)
+    plugin.create_container(db, container("postgres", db, 2000))
+    assert [netns for netns, _ in lister.calls] == [NETNS]  # once, ahead
+    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    assert "(interfaces read when the pod started)" in record["MESSAGE"]
+    assert plugin.state.assignments  # placed
+    # Nothing to read ahead: a Burstable pod, the host network, locality turned off.
+    plugin.run_pod_sandbox(in_netns(pod("web", "burstable")))
+    plugin.run_pod_sandbox(pod("host"))
+    off = in_netns(pod("off"))
+    off.annotations[annotation.NIC_LOCALITY] = "off"
+    plugin.run_pod_sandbox(off)
+    assert len(lister.calls) == 1 and len(plugin.pod_nics) == 1
+    plugin.remove_pod_sandbox(db)
+    assert len(plugin.pod_nics) == 0
+
+
+def test_without_the_read_ahead_the_plugin_neither_reads_ahead_nor_hears_pods_start(tmp_path):
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    settings = Settings(
+        sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2,
+        nic_read_ahead=False,
+    )  # fmt: skip
+    plugin = CPUPlugin(settings, Audit(lambda record: None))
+    plugin.stub = Stub(plugin, "cpuplugin", "50")
+    events = asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
+    assert events == plugin.stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
+    plugin.run_pod_sandbox(in_netns(pod("db")))
+    assert len(plugin.pod_nics) == 0
