@@ -16,7 +16,8 @@ carried by the next reply that can carry updates (``_push``, ``_carry_owed``).
 Two kinds of hardware awareness live here too:
 
 * NIC locality: for an exclusive candidate in a pod with its own network namespace, the NUMA
-  nodes of its interfaces (nic.py) steer its CPUs; inspected before the lock, audited.
+  nodes of its interfaces (nic.py) steer its CPUs; read when its pod started
+  (daemon/pod_nics.py) or else before the lock, audited.
 * CPU hotplug: kernel uevents (hotplug.py) re-discover the topology and let the policy follow
   the online set (replacement, degraded, return); cgroups are written directly (cgroup v1
   never gives a CPU back by itself), cpusets and CFS quotas alike.  The state file records
