@@ -7,7 +7,7 @@ network lock for other pods - the largest single part of an exclusive creation's
 But the interfaces are known earlier: the runtime sends RunPodSandbox once the pod's network
 is set up (CNI, Multus included, has run; containerd and CRI-O alike), and the first
 container comes after its image is pulled.  So for pods that can hold exclusive containers
-(Guaranteed, in a network namespace of their own), a thread of their own reads the
+(Guaranteed, in a network namespace of their own), a background thread reads the
 interfaces then, and the creation uses what was read: it waits for a read still running, and
 reads for itself when there was none (the daemon started after the pod did) or it failed.
 
@@ -28,7 +28,8 @@ Listing = tuple[list[nic.Link], dict[int, nic.Link] | None]
 
 
 class _Read:
-    def __init__(self, netns: str) -> None:
+    def __init__(self, pod_uid: str, netns: str) -> None:
+        self.pod_uid = pod_uid
         self.netns = netns
         self.done = threading.Event()
         self.listing: Listing | None = None  # None when the read failed
@@ -50,7 +51,7 @@ class PodNICs:
 
     def read_ahead(self, pod_uid: str, netns: str) -> None:
         """Start reading the interfaces of ``netns`` for the pod; returns at once."""
-        read = _Read(netns)
+        read = _Read(pod_uid, netns)
         with self._guard:
             self._reads.pop(pod_uid, None)  # (re-inserted last: the newest)
             self._reads[pod_uid] = read
@@ -89,8 +90,11 @@ class PodNICs:
     def _run(self) -> None:
         while True:
             read = self._queue.get()
+            with self._guard:
+                wanted = self._reads.get(read.pod_uid) is read  # not gone with its pod
             try:
-                read.listing = self.lister(read.netns)
+                if wanted:
+                    read.listing = self.lister(read.netns)
             except Exception:  # the creation reads again, and reports what fails
                 read.listing = None
             finally:

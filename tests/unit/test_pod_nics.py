@@ -70,6 +70,19 @@ def test_a_failed_read_leaves_the_creation_to_read_for_itself():
     assert nics.lister_for("uid-a", NETNS) is None
 
 
+def test_a_pod_gone_before_its_turn_is_not_read():
+    gate = threading.Event()
+    lister = Lister(gate=gate)
+    nics = PodNICs(lister)
+    nics.read_ahead("busy", NETNS)  # holds the thread
+    nics.read_ahead("gone", "/var/run/netns/gone")
+    nics.forget("gone")
+    gate.set()
+    nics.read_ahead("next", NETNS)
+    assert nics.lister_for("next", NETNS) is not None
+    assert [netns for netns, _ in lister.calls] == [NETNS, NETNS]
+
+
 def test_entries_go_with_their_pods_and_are_bounded():
     nics = PodNICs(Lister(), limit=2)
     for uid in ("a", "b", "c"):
