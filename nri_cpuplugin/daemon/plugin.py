@@ -31,7 +31,6 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core import annotation
 from ..core.cpuset import CPUSet
 from ..core.engine import Engine, LiveContainer, Outcome
 from ..core.policy import PolicyError, StaticPolicy
@@ -460,8 +459,11 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
             return
         if qos_from_cgroup_parent(parent) != GUARANTEED:
             return
-        if pod.annotations.get(annotation.NIC_LOCALITY, "").strip().lower() == "off":
-            return
+        try:
+            if nic.request(pod.annotations, "").mode == "off":  # pod-wide
+                return
+        except PolicyError:
+            return  # its creations refuse the annotation, with the reason
         self.pod_nics.read_ahead(pod.uid, netns)
 
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
@@ -528,7 +530,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         if self.policy.eligibility(workload)[0] is None:
             return None
         netns = nic.netns_path(pod.linux.namespaces)
-        read = self.pod_nics.lister_for(pod.uid, netns) if netns is not None else None
+        read = self.pod_nics.lister_for(pod.uid, netns)
         locality = nic.locality(
             netns,
             workload.annotations,

@@ -64,9 +64,10 @@ class PodNICs:
                 self._thread.start()
         self._queue.put(read)
 
-    def lister_for(self, pod_uid: str, netns: str) -> Callable[[str], Listing] | None:
+    def lister_for(self, pod_uid: str, netns: str | None) -> Callable[[str], Listing] | None:
         """A ``lister`` for nic.locality that returns what was read for the pod (waiting for
-        a read still running), or None: nothing read for this namespace, or the read failed."""
+        a read still running), or None: nothing read for this namespace (None: the host's),
+        or the read failed."""
         with self._guard:
             read = self._reads.get(pod_uid)
         if read is None or read.netns != netns:
