@@ -41,6 +41,7 @@ from .bench_nri import (
 from .bench_pod_starts import bench_concurrent_pod_starts
 from .bench_policy import bench_decisions, bench_resize, churn_quality, resize_churn
 from .bench_state import bench_commit
+from .bench_storm import bench_update_storm
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -618,6 +619,54 @@ def _nic_read_ahead(versions: list[str], rounds: int) -> list[str]:
     return [*lines, ""]
 
 
+def section_storm(quick: bool) -> list[str]:
+    seconds = 4.0 if quick else 20.0
+    versions = sorted(CONTAINERD_RELEASES, key=lambda v: tuple(map(int, v.split("."))))
+    results = [bench_update_storm(version, seconds) for version in versions]
+    lines = [
+        "## Update storm",
+        "",
+        "Kubelet-like CRI calls racing the daemon's own changes to the same containers "
+        "(tests/e2e/storm.py): three threads call UpdateContainerResources in a loop on 4 "
+        "running shared containers and on the exclusive container of the moment, one thread "
+        "creates, starts, stops and removes exclusive containers and their pods, one takes CPU 1 "
+        "offline and back under them; the daemon changes those containers outside its replies "
+        "(an exclusive container degraded into the shared pool while its CPU is offline and "
+        "restored after it; the shared containers following the pool). Two private containerd "
+        "instances of one version, one with the daemon and one with no plugin, the storm on "
+        f"each in turn, {seconds:g} s per side in two alternating slices (CPU hotplug is "
+        "machine-wide: the daemon also handles the hotplug of the other side's slices). Every "
+        "containerd with an NRI before 0.12.1 deadlocks when a plugin's unsolicited "
+        "UpdateContainers meets a CRI call; the daemon never sends one (*unsolicited updates*, "
+        "counted in containerd's log). *Outside replies*: the daemon's `outside-reply` records, "
+        "each a change it wrote to cgroups itself. Calls that failed are races the storm "
+        "provokes (a container stopped while it was updated, a CPU offline just then).",
+        "",
+        "| containerd (NRI) | side | calls (failed) | UpdateContainerResources median / p99 | "
+        "CreateContainer median / p99 | longest call | hotplug cycles | outside replies | "
+        "unsolicited updates |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        label = f"{CONTAINERD_RELEASES[r['version']]} ({CONTAINERD_NRI[r['version']]})"
+        for side in ("daemon", "none"):
+            per = r["per_method"]
+            update = per["UpdateContainerResources"][side]
+            create = per.get("CreateContainer", {}).get(side)
+            create_ms = f"{_ms(create['median_ms'])} / {_ms(create['p99_ms'])}" if create else "-"
+            lines.append(
+                f"| {label} | {'daemon' if side == 'daemon' else 'no plugin'} | "
+                f"{r['calls'][side] + r['failed'][side]} ({r['failed'][side]}) | "
+                f"{_ms(update['median_ms'])} / {_ms(update['p99_ms'])} | {create_ms} | "
+                f"{r['longest_ms'][side] / 1e3:.3f} s | {r['hotplug_cycles'][side]} | "
+                f"{r['outside_reply_changes'] if side == 'daemon' else '-'} | "
+                f"{r['unsolicited_updates'][side]} |"
+            )
+    hung = [f"{r['version']} {side}: {h}" for r in results for side, h in r["hangs"]]
+    lines += ["", f"Calls that hung (over 10 s or cut off): {'; '.join(hung) or 'none'}.", ""]
+    return lines
+
+
 def section_crio(quick: bool) -> list[str]:
     report = bench_crio_exclusive_start(rounds=8 if quick else 30)
     labels = {"none": "no pinning", "hook": "OCI hook (hooks.d)", "daemon": "NRI daemon"}
@@ -660,6 +709,7 @@ SECTIONS = (
     "operations",
     "hardware",
     "density",
+    "storm",
     "crio",
 )
 
@@ -688,6 +738,7 @@ def main() -> None:
         "operations": section_operations,
         "hardware": section_hardware,
         "density": section_density,
+        "storm": section_storm,
         "crio": section_crio,
     }
     for name, section in sections.items():
