@@ -56,7 +56,7 @@ from ..ops.metrics import Metrics, NoMetrics
 from ..storage.store import StateStore
 from .hotplug_events import HotplugEvents
 from .persistence import StateKeeping
-from .pod_nics import PodNICs
+from .pod_nics import Listing, PodNICs
 from .targets import TargetWriter, cpus_of, fill_cpu, spec_agrees
 from .unverified import UnverifiedContainers
 
@@ -450,9 +450,10 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self._push(outcome.targets, "container removed")
 
     def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
-        """A pod started, its network set up: if it can hold exclusive containers, its
-        interfaces are read now, in the background, for their NIC locality
-        (daemon/pod_nics.py).  Nothing else: answered at once, on the event loop."""
+        """A pod started, its network set up: if it is Guaranteed (it may hold exclusive
+        containers: which ones, its creations say), its interfaces are read now, in the
+        background, for their NIC locality (daemon/pod_nics.py).  Nothing else: answered at
+        once, on the event loop."""
         netns = nic.netns_path(pod.linux.namespaces)
         parent = pod.linux.cgroup_parent
         if not self.settings.nic_read_ahead or netns is None or not parent:
@@ -526,19 +527,26 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
 
     def _nic_locality(self, pod: pb.PodSandbox, workload: Workload) -> nic.Locality | None:
         """Where the pod's NICs are, for exclusive candidates only (nobody else's CPUs are
-        chosen, so nobody else pays for the netlink round trips)."""
+        chosen): from the read made when the pod started (daemon/pod_nics.py), if any."""
         if self.policy.eligibility(workload)[0] is None:
             return None
         netns = nic.netns_path(pod.linux.namespaces)
-        read = self.pod_nics.lister_for(pod.uid, netns)
+        read_ahead = self.pod_nics.lister_for(pod.uid, netns)
+        used = []
+
+        def lister(netns: str) -> Listing:
+            listing = read_ahead(netns)
+            used.append(netns)  # (not when the read failed, or locality is off)
+            return listing
+
         locality = nic.locality(
             netns,
             workload.annotations,
             workload.container_name,
             self.settings.sysfs,
             self.policy.topology,
-            read,
+            lister if read_ahead is not None else None,
         )
-        if read is None:
+        if not used:
             return locality
         return locality.evolve(note=f"{locality.note} (interfaces read when the pod started)")

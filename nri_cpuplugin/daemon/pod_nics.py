@@ -8,8 +8,11 @@ But the interfaces are known earlier: the runtime sends RunPodSandbox once the p
 is set up (CNI, Multus included, has run; containerd and CRI-O alike), and the first
 container comes after its image is pulled.  So for pods that can hold exclusive containers
 (Guaranteed, in a network namespace of their own), a background thread reads the
-interfaces then, and the creation uses what was read: it waits for a read still running, and
-reads for itself when there was none (the daemon started after the pod did) or it failed.
+interfaces then, and the creation uses what was read.  It waits for a read still running, up
+to ``WAIT``; then, and when the read failed, it goes on as after a failed read of its own (no
+NIC preference, or a refusal where locality is strict), never reading again: a second read
+could take as long as the first and cost the request its deadline.  It reads for itself when
+there was no read (the daemon started after the pod did, or no thread could be started).
 
 An interface moved into the pod's namespace after the sandbox started is not seen by its
 containers' placement.  Entries are dropped with the pod (RemovePodSandbox) and when the
@@ -26,13 +29,18 @@ from ..hardware import nic
 
 Listing = tuple[list[nic.Link], dict[int, nic.Link] | None]
 
+# How long a creation waits for its pod's read: as long as one netlink receive may take, so a
+# read stalled by the kernel (CNI holding its network lock) leaves the creation within budget.
+WAIT = nic.NETLINK_TIMEOUT
+
 
 class _Read:
     def __init__(self, pod_uid: str, netns: str) -> None:
         self.pod_uid = pod_uid
         self.netns = netns
         self.done = threading.Event()
-        self.listing: Listing | None = None  # None when the read failed
+        self.listing: Listing | None = None
+        self.error = ""  # why the read failed: what a read at the creation would report
 
 
 class PodNICs:
@@ -53,30 +61,44 @@ class PodNICs:
         """Start reading the interfaces of ``netns`` for the pod; returns at once."""
         read = _Read(pod_uid, netns)
         with self._guard:
+            if self._thread is None:
+                thread = threading.Thread(
+                    target=self._run, name="nri-cpuplugin-pod-nics", daemon=True
+                )
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had (a pids limit): creations read
+                    return
+                self._thread = thread
             self._reads.pop(pod_uid, None)  # (re-inserted last: the newest)
             self._reads[pod_uid] = read
             while len(self._reads) > self.limit:
                 del self._reads[next(iter(self._reads))]
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="nri-cpuplugin-pod-nics", daemon=True
-                )
-                self._thread.start()
         self._queue.put(read)
 
     def lister_for(self, pod_uid: str, netns: str | None) -> Callable[[str], Listing] | None:
-        """A ``lister`` for nic.locality that returns what was read for the pod (waiting for
-        a read still running), or None: nothing read for this namespace (None: the host's),
-        or the read failed."""
+        """A ``lister`` for nic.locality that gives what was read for the pod (waiting up to
+        WAIT for a read still running) or raises as the read did; None when nothing was read
+        for this namespace (None: the host's) or the read failed unexpectedly: the caller
+        reads for itself."""
         with self._guard:
             read = self._reads.get(pod_uid)
         if read is None or read.netns != netns:
             return None
-        read.done.wait()
-        listing = read.listing
-        if listing is None:
+        if not read.done.wait(WAIT):
+            error = f"the read of its interfaces, started with the pod, took over {WAIT:g} s"
+        elif read.listing is not None:
+            listing = read.listing
+            return lambda _netns: listing
+        elif read.error:
+            error = read.error
+        else:
             return None
-        return lambda _netns: listing
+
+        def failed(_netns: str) -> Listing:
+            raise nic.NICError(error)
+
+        return failed
 
     def forget(self, pod_uid: str) -> None:
         with self._guard:
@@ -96,7 +118,9 @@ class PodNICs:
             try:
                 if wanted:
                     read.listing = self.lister(read.netns)
-            except Exception:  # the creation reads again, and reports what fails
-                read.listing = None
+            except (nic.NICError, OSError) as err:  # reported by the creation, as its own
+                read.error = str(err) or type(err).__name__
+            except Exception:  # unexpected: the creation reads again, and reports what fails
+                pass
             finally:
                 read.done.set()

@@ -135,11 +135,11 @@ class OpenCpusets:
         return True
 
     def written_elsewhere(self, container_id: str | None = None) -> None:
-        """Someone else writes the container's cpuset (the runtime, applying an update), or
-        every container's (None: CPU hotplug, where the kernel and the general path write):
-        the next write through the kept file is checked as one that adds CPUs.  A set left
-        stale would only make a growth look like a shrink and leave a nested cgroup short of
-        CPUs, never give one CPUs it must not have."""
+        """Someone else writes the container's cpuset (the runtime, applying an update; the
+        general path, hardware/cpusets.apply), or every container's (None: CPU hotplug, where
+        the kernel and the general path write): the next write through the kept file is
+        checked as one that adds CPUs.  A set left stale would only make a growth look like a
+        shrink and leave a nested cgroup short of CPUs, never give one CPUs it must not have."""
         if container_id is None:
             self._written.clear()
         else:

@@ -150,6 +150,8 @@ def move(
         for target in targets:
             if target.mems or target.quota is not None or not _write_leaf(fs, target, files):
                 general.append(target)
+                if files is not None:  # written below, not through the kept file
+                    files.written_elsewhere(target.container_id)
     if not general:
         return Applied([], [], {})
     return apply(layout, general, repair=False)

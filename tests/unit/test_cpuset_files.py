@@ -9,7 +9,7 @@ import os
 import pytest
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import cgroupfs
+from nri_cpuplugin.hardware import cgroupfs, cpusets
 from nri_cpuplugin.hardware.cpuset_files import OpenCpusets, mount_type
 
 C = CPUSet.parse
@@ -123,4 +123,21 @@ def test_taking_cpus_away_is_one_write_and_a_refusal_goes_to_the_general_path(tr
     assert files.write_kept([("a", C("0"))]) == ["a"] and "a" in files
     files.written_elsewhere("a")
     assert files.write_kept([("a", C("0"))]) == ["a"] and len(checks) == 2
+    files.close()
+
+
+def test_a_write_by_the_general_path_makes_the_next_kept_write_checked(tree, monkeypatch):
+    """A target with memory nodes (or a quota) goes through cpusets.apply, not the kept file:
+    what the file last wrote no longer says what is there."""
+    layout, _ = tree
+    files = OpenCpusets()
+    with cgroupfs.CgroupFS(layout) as fs:
+        assert files.write(fs, "a", "/kubepods/pod1/a", C("0-3"))
+    files._plain = False  # only growths are checked, as on the kernel's files
+    cpusets.move(layout, [cpusets.Target("a", "/kubepods/pod1/a", C("0-1"), C("0"))], None, files)
+    checks = []
+    real_fstat = os.fstat
+    monkeypatch.setattr("os.fstat", lambda fd: checks.append(fd) or real_fstat(fd))
+    # 0-2 adds CPU 2 to what the general path wrote (0-1), though not to what the file did.
+    assert files.write_kept([("a", C("0-2"))]) == [] and len(checks) == 1
     files.close()

@@ -10,6 +10,7 @@ from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core import annotation
+from nri_cpuplugin.daemon import pod_nics
 from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.daemon.pod_nics import PodNICs
 from nri_cpuplugin.hardware import nic
@@ -64,10 +65,46 @@ def test_a_creation_waits_for_a_read_still_running():
     assert got[0] is not None and got[0](NETNS) == LISTING
 
 
-def test_a_failed_read_leaves_the_creation_to_read_for_itself():
-    nics = PodNICs(Lister(nic.NICError("cannot open network namespace: gone")))
+def test_a_failed_read_is_reported_as_the_creation_own_would_be_never_read_twice():
+    lister = Lister(nic.NICError("cannot open network namespace: gone"))
+    nics = PodNICs(lister)
+    nics.read_ahead("uid-a", NETNS)
+    read = nics.lister_for("uid-a", NETNS)
+    assert read is not None
+    with pytest.raises(nic.NICError, match="cannot open network namespace: gone"):
+        read(NETNS)
+    assert len(lister.calls) == 1
+
+
+def test_an_unexpected_failure_leaves_the_creation_to_read_for_itself():
+    nics = PodNICs(Lister(ValueError("a bug")))
     nics.read_ahead("uid-a", NETNS)
     assert nics.lister_for("uid-a", NETNS) is None
+
+
+def test_a_stalled_read_is_waited_for_no_longer_than_a_netlink_receive(monkeypatch):
+    monkeypatch.setattr(pod_nics, "WAIT", 0.05)
+    gate = threading.Event()
+    nics = PodNICs(Lister(gate=gate))
+    nics.read_ahead("uid-a", NETNS)
+    read = nics.lister_for("uid-a", NETNS)
+    gate.set()
+    assert read is not None
+    with pytest.raises(nic.NICError, match=r"started with the pod, took over 0\.05 s"):
+        read(NETNS)
+
+
+def test_without_a_thread_to_read_the_creation_reads_for_itself(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    nics = PodNICs(Lister())
+    nics.read_ahead("uid-a", NETNS)  # no error for RunPodSandbox
+    assert nics.lister_for("uid-a", NETNS) is None and len(nics) == 0
+    monkeypatch.undo()
+    nics.read_ahead("uid-b", NETNS)  # a thread is tried again for the next pod
+    assert nics.lister_for("uid-b", NETNS) is not None
 
 
 def test_a_pod_gone_before_its_turn_is_not_read():
@@ -132,6 +169,19 @@ def test_the_plugin_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugi
     assert len(lister.calls) == 1 and len(plugin.pod_nics) == 1
     plugin.remove_pod_sandbox(db)
     assert len(plugin.pod_nics) == 0
+
+
+def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
+    plugin.pod_nics.lister = Lister(nic.NICError("cannot open network namespace: gone"))
+    db = in_netns(pod("db"))
+    plugin.run_pod_sandbox(db)
+    plugin.create_container(db, container("postgres", db, 2000))
+    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    assert (
+        "cannot inspect /var/run/netns/cni-1234: cannot open network namespace: gone"
+        in (record["MESSAGE"])
+    )
+    assert "(interfaces read when the pod started)" not in record["MESSAGE"]
 
 
 def test_without_the_read_ahead_the_plugin_neither_reads_ahead_nor_hears_pods_start(tmp_path):
