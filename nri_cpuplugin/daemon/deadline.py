@@ -37,11 +37,11 @@ containers' cgroup writes that precede a creation's answer.  So:
 
 * **The job goes on, and what it does late agrees with the answer** (``deadline-late``): an
   exclusive decision answered with an error is not made - checked when the job starts, once
-  it holds the lock and just before the commit - or released again at once if its commit was
-  already under way; everything else is committed when the job gets there (a release is
-  never dropped), and the cpusets its reply would have carried are written directly or owed
-  to the runtime's next reply (never an unsolicited UpdateContainers, which deadlocks
-  containerd).
+  it holds the lock and just before the commit - or undone at once if its commit was already
+  under way (a creation's CPUs released, a resize's previous CPUs restored); everything else
+  is committed when the job gets there (a release is never dropped), and the cpusets its
+  reply would have carried are written directly or owed to the runtime's next reply (never
+  an unsolicited UpdateContainers, which deadlocks containerd).
 
 The worker waits for the state lock as long as it takes: the budget, not the lock's timeout,
 decides when the runtime is answered, and late work must not be lost to a busy lock.
@@ -186,8 +186,8 @@ class DeadlinePlugin(CPUPlugin):
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
     ) -> list[pb.ContainerUpdate]:
         job = self.worker.submit(
-            "UpdateContainer", super().update_container, pod, container, resources,
-            late=self._replay_late, refusable=True,
+            "UpdateContainer", self._update_job, pod, container, resources,
+            late=self._update_late, refusable=True,
         )  # fmt: skip
         budget = self.budget
         if await self.worker.finished(job, budget):
@@ -271,12 +271,17 @@ class DeadlinePlugin(CPUPlugin):
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         job = self.worker.current
-        state = self.state
-        if job is not None and state is not None:
-            # A repeated creation of a tracked container answered with an error must not
-            # release what it already held.
-            job.tracked_before = container.id in state.assignments or container.id in state.sharing
+        if job is not None:
+            job.before = self.state
         return super().create_container(pod, container)
+
+    def _update_job(
+        self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
+    ) -> list[pb.ContainerUpdate]:
+        job = self.worker.current
+        if job is not None:
+            job.before = self.state
+        return super().update_container(pod, container, resources)
 
     def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
@@ -311,7 +316,14 @@ class DeadlinePlugin(CPUPlugin):
                 else f"it was refused: {job.error}"
             )
         elif job.answer == ERROR:
-            if job.tracked_before or (cid not in state.assignments and cid not in state.sharing):
+            if job.result is not None:
+                # The reply was not sent: what it carried for other containers (owed
+                # updates among them) goes with the next reply that can carry it.
+                self._owed |= {update.container_id for update in job.result[1]} - {cid}
+            before = job.before
+            # A repeated creation of a tracked container must not release what it held.
+            tracked = before is not None and (cid in before.assignments or cid in before.sharing)
+            if tracked or (cid not in state.assignments and cid not in state.sharing):
                 what = "nothing to undo"
             else:
                 # The runtime is not creating it: what was committed for it goes again.
@@ -335,6 +347,24 @@ class DeadlinePlugin(CPUPlugin):
             self._owed |= {update.container_id for update in updates}
             what = f"recorded in the shared pool {cpu.cpus}"
         self._late_record(job, what)
+
+    def _update_late(self, job: Job) -> None:
+        """An update that ended after it was answered without it.  A resize answered with an
+        error that was committed all the same (the budget ran out during the commit) is
+        undone: the runtime did not apply it, and the CPUs it freed or took must not be given
+        to anyone else meanwhile.  Kubelet retries it."""
+        before = job.before
+        if job.answer != ERROR or job.error is not None or before is None or before is self.state:
+            self._replay_late(job)
+            return
+        with self.store.locked():
+            self._commit(Outcome(before))
+        # The reply was not sent: what it carried goes with the next one that can carry it.
+        self._owed |= {update.container_id for update in job.result}
+        container = job.args[1]
+        held = before.assignments.get(container.id)
+        kept = f"its exclusive CPUs {held.cpus}" if held is not None else "the shared pool"
+        self._late_record(job, f"its resize was undone: it keeps {kept}")
 
     def _replay_late(self, job: Job) -> None:
         """Any other request that ended after it was answered without it: what its reply
@@ -471,8 +501,11 @@ class DeadlinePlugin(CPUPlugin):
         self.worker.submit("sweep", self._sweep_round, loop, awaited=False)
 
     def _sweep_round(self, loop: Any) -> None:
-        more = self._sweep_once()
-        _call_soon(loop, self._swept, loop, more)
+        more = False
+        try:
+            more = self._sweep_once()
+        finally:  # a round that failed ends the chain, and the next start begins a new one
+            _call_soon(loop, self._swept, loop, more)
 
     def _swept(self, loop: Any, more: bool) -> None:
         self._sweeping = False

@@ -58,6 +58,7 @@ class Job:
         "answered_cpus",
         "args",
         "awaited",
+        "before",
         "deciding",
         "delivered",
         "done",
@@ -71,7 +72,6 @@ class Job:
         "result",
         "subject",
         "submitted",
-        "tracked_before",
     )
 
     def __init__(
@@ -101,7 +101,8 @@ class Job:
         self.answered_at = 0.0
         self.answered_cpus = ""  # a shared creation answered with the pool: which CPUs
         self.subject = name  # what the request was about, for the audit trail
-        self.tracked_before = False  # a creation: the container was tracked already
+        # A creation's or a resize's: the state as it began, which an error answer keeps.
+        self.before: Any = None
         self._lock = _thread.allocate_lock()
         self._finished = False
         self._waiter: asyncio.Future[bool] | None = None

@@ -372,6 +372,83 @@ def test_exclusive_create_whose_commit_is_slow_is_refused_and_released_again(tmp
     )
 
 
+def test_a_resize_answered_with_an_error_during_its_commit_is_undone(tmp_path, monkeypatch):
+    """The budget ran out while the resize was being committed: kubelet was told it failed,
+    so the container keeps its CPUs - in memory and on disk - and none are given out twice."""
+    plugin, records = make(tmp_path)
+    db = pod("db")
+    pg = container("pg", db, 2000)
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.create_container(db, pg)
+        disk = SlowDisk(monkeypatch)
+        grow = pb.LinuxResources()
+        grow.cpu.shares.value, grow.cpu.quota.value, grow.cpu.period.value = 4096, 400000, 100000
+        err, elapsed = await timed(plugin.update_container(db, pg, grow))
+        assert isinstance(err, PolicyError) and elapsed < BUDGET + SLACK
+        assert disk.entered.is_set()
+        disk.go()
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments[CID["pg"]].cpus == P("1,25")
+    assert on_disk(plugin).assignments[CID["pg"]].cpus == P("1,25")
+    assert plugin.state.shared == ONLINE - P("1,25")
+    [late] = records.of("deadline-late")
+    assert "its resize was undone: it keeps its exclusive CPUs 1,25" in late["MESSAGE"]
+
+
+def test_updates_owed_to_others_survive_a_creation_answered_with_an_error(tmp_path, monkeypatch):
+    """A creation's reply carries the updates owed to other containers; when the creation is
+    answered with an error instead, they are owed again, to the next reply."""
+    plugin, _ = make(tmp_path)
+    slow, gate = threading.Event(), threading.Event()
+
+    def write(direct):
+        if direct and slow.is_set():
+            gate.wait(30)
+        return []
+
+    monkeypatch.setattr(plugin, "_split_followers", lambda targets: (list(targets), []))
+    monkeypatch.setattr(CPUPlugin, "_write_direct", lambda self, direct: write(direct))
+    web, db, other = pod("web", "burstable"), pod("db"), pod("other")
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.create_container(web, container("nginx", web, 500))
+        await plugin.create_container(other, container("big", other, 2000))
+        plugin._owed.add(CID["big"])  # as after a hotplug under the systemd driver
+        slow.set()
+        err, _ = await timed(plugin.create_container(db, container("pg", db, 2000)))
+        assert isinstance(err, PolicyError) and err.code == "deadline"
+        gate.set()
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert CID["big"] in plugin._owed
+
+
+def test_a_sweep_round_that_fails_lets_the_next_start_sweep_again(tmp_path):
+    plugin, _ = make(tmp_path)
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    plugin._sweep_once = broken
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        plugin._sweeping = True  # as _start_sweep leaves it
+        plugin._sweep(asyncio.get_running_loop())
+        assert await plugin.drain()
+        await asyncio.sleep(0.05)  # the round's end is told on the loop
+
+    asyncio.run(scenario())
+    assert not plugin._sweeping
+
+
 def test_a_shared_create_on_a_slow_disk_gets_the_pool_and_is_kept(tmp_path, monkeypatch):
     plugin, records = make(tmp_path)
     web = pod("web", "burstable")
