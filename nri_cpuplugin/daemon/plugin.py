@@ -534,9 +534,9 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         read_ahead = self.pod_nics.lister_for(pod.uid, netns)
         used = []
 
-        def lister(netns: str) -> Listing:
-            listing = read_ahead(netns)
-            used.append(netns)  # (not when the read failed, or locality is off)
+        def lister(path: str) -> Listing:
+            listing = read_ahead(path)
+            used.append(path)  # (not when the read failed, or locality is off)
             return listing
 
         locality = nic.locality(
