@@ -45,9 +45,17 @@ _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class CgroupError(PluginError):
     """A cgroup could not be found, read or written; the message names the file and why.
-    Codes: ``cgroup`` (generally), ``no-such-process`` (a pid that exited meanwhile)."""
+    Codes: ``cgroup`` (generally), ``no-such-process`` (a pid that exited meanwhile).
+    ``errno``: the system's error, where one said why (ENOENT: the cgroup is gone)."""
 
     code = "cgroup"
+    errno: int | None = None
+
+
+def _failed(message: str, err: OSError) -> CgroupError:
+    error = CgroupError(message)
+    error.errno = err.errno
+    return error
 
 
 def split_path(path: object) -> tuple[str, ...]:
@@ -214,12 +222,12 @@ class CgroupFS:
                     raise CgroupError(
                         f"{where} is a symbolic link; refusing to follow it"
                     ) from None
-                raise CgroupError(f"cgroup {where}: {err.strerror}") from None
+                raise _failed(f"cgroup {where}: {err.strerror}", err) from None
         else:
             try:
                 fd = os.open(root, _DIR_FLAGS)
             except OSError as err:
-                raise CgroupError(f"cgroup mount {root}: {err.strerror}") from None
+                raise _failed(f"cgroup mount {root}: {err.strerror}", err) from None
         self._dirs[key] = fd
         return fd
 
@@ -239,11 +247,11 @@ class CgroupFS:
                 name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir(root, parts)
             )
         except OSError as err:
-            raise CgroupError(f"cannot read {where}: {err.strerror}") from None
+            raise _failed(f"cannot read {where}: {err.strerror}", err) from None
         try:
             data = os.read(fd, MAX_READ + 1)
         except OSError as err:
-            raise CgroupError(f"cannot read {where}: {err.strerror}") from None
+            raise _failed(f"cannot read {where}: {err.strerror}", err) from None
         finally:
             os.close(fd)
         if len(data) > MAX_READ:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from ..base.errors import PluginError
 from ..base.value import Value
@@ -186,10 +187,16 @@ def netlink_socket(netns: str | None) -> socket.socket:
     if netns is None:
         return _socket.socket(_socket.AF_NETLINK, flags, 0)
     try:
-        # No O_CREAT, ever: attach to what exists or fail.
-        ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+        # No O_CREAT, ever: attach to what exists or fail.  Never block (a FIFO planted there)
+        # and never open a device: a namespace file is a regular file of the nsfs.
+        if not stat.S_ISREG(os.stat(netns).st_mode):
+            raise NICError(f"{netns} is not a network namespace (not a regular file)")
+        ns_fd = os.open(netns, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise NICError(f"cannot open network namespace {netns}: {err.strerror}") from None
+    if not stat.S_ISREG(os.fstat(ns_fd).st_mode):
+        os.close(ns_fd)
+        raise NICError(f"{netns} is not a network namespace (not a regular file)")
     result: dict[str, Any] = {}
 
     def enter() -> None:

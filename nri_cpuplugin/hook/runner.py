@@ -24,6 +24,7 @@ Nothing sets it in production; the runtime passes hooks exactly the ``env`` of t
 
 from __future__ import annotations
 
+import errno
 import os
 from types import MappingProxyType
 
@@ -371,8 +372,15 @@ class Hook:
                     requested[cid] = CPUSet()
                     evicted.add(cid)
                     continue
-            except CgroupError:
-                pass  # its cgroup is gone (ENOENT) or unreadable: it cannot be running there
+            except CgroupError as err:
+                if err.errno not in _GONE:
+                    # Out of descriptors, say: it may well run there, and its CPUs must not
+                    # be given to anyone else on a guess.
+                    raise HookFailure(
+                        f"cannot tell whether container {cid} still runs: {err}; nothing was "
+                        "changed"
+                    ) from None
+                # Its cgroup is gone, or its recorded path names none: not running there.
             stale.append(cid)
         return live, requested, stale, evicted
 
@@ -538,6 +546,11 @@ def _evicted(fs: CgroupFS, record: Record) -> bool:
     return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
 
 
+# What a cgroup read fails with when the cgroup is not there (None: a path refused before any
+# system call - a record naming no cgroup).
+_GONE = (None, errno.ENOENT, errno.ENODEV, errno.ENOTDIR)
+
+
 def _check_container_cgroup(path: str, cid: str, pid: int) -> None:
     """The pid comes from the runtime: make sure we are about to write the container's own
     cgroup, not the root or a pod-wide one (runtimes name the container's cgroup after its id:
@@ -545,8 +558,16 @@ def _check_container_cgroup(path: str, cid: str, pid: int) -> None:
     parts = cgroupfs.split_path(path)
     if not parts:
         raise oci.InputError(f"process {pid} is in the root cgroup, not in a container's cgroup")
-    if not any(cid in part for part in parts[-2:]):
+    if not any(_names(part, cid) for part in parts[-2:]):
         raise oci.InputError(
             f"the cgroup {path} of process {pid} is not named after container {cid}; refusing "
             "to write it (is pid the container's init process?)"
         )
+
+
+def _names(part: str, cid: str) -> bool:
+    """Whether a cgroup path component is named after the container: ``<id>``, or
+    ``<prefix>-<id>``, either with an optional ``.scope`` - never merely containing it (a
+    short id would match every container's cgroup)."""
+    name = part.removesuffix(".scope")
+    return name == cid or name.endswith(f"-{cid}")

@@ -189,6 +189,14 @@ def test_strict_locality_fails_when_the_nics_cannot_be_inspected(tmp_path):
         nic.locality("/proc/self/ns/pid", {nic.LOCALITY_ANNOTATION: "strict"}, "c", "/sys")
 
 
+def test_a_fifo_or_a_device_named_as_the_netns_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "netns-fifo"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    for path in (str(fifo), "/dev/null"):
+        with pytest.raises(nic.NICError, match="not a network namespace"):
+            nic.netlink_socket(path)
+
+
 def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
     """Whatever fails in the thread that enters the namespace (here: no file descriptor left
     for ctypes), the caller is released with the reason and every descriptor is closed."""

@@ -9,6 +9,7 @@ cannot compute it); a wrong one shows that the read-back catches it and rolls ba
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 from pathlib import Path
@@ -20,8 +21,9 @@ from topologies import build
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.core.workload import from_nri
+from nri_cpuplugin.hardware import cgroupfs
 from nri_cpuplugin.hook import entry as hook
-from nri_cpuplugin.hook import oci, topology_cache
+from nri_cpuplugin.hook import oci, runner, topology_cache
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
@@ -283,3 +285,46 @@ def test_topology_is_cached_per_boot_and_cpu_sets(tmp_path: Path) -> None:
     assert fresh.by_id[1].socket == 1 and fresh.isolated == CPUSet({47})
     (tmp_path / "state" / hook.TOPOLOGY_CACHE).write_text('{"key": "torn')
     assert cached_topology(str(root), state_dir) == fresh
+
+
+def test_a_known_container_whose_cgroup_cannot_be_read_is_not_taken_for_gone(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors (EMFILE), the hook cannot tell whether a recorded container still
+    runs: it fails, and the CPUs that container holds are not given to anyone else."""
+    db_pid, db = node.container("postgres", "guaranteed", 2000, "uid-db")
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    assert node.hook("postgres", db_pid) == (0, "")
+    other_pid, _ = node.container("redis", "guaranteed", 2000, "uid-redis")
+
+    def no_descriptors(self: cgroupfs.CgroupFS, path: str) -> bool:
+        error = cgroupfs.CgroupError(f"cgroup {path}: Too many open files")
+        error.errno = errno.EMFILE
+        raise error
+
+    monkeypatch.setattr(cgroupfs.CgroupFS, "populated", no_descriptors)
+    code, err = node.hook("redis", other_pid)
+    assert code != 0 and "cannot tell whether container postgres still runs" in err
+    state = StateStore(node.state_dir).peek().state
+    assert str(state.assignments["postgres"].cpus) == "1,25" and "redis" not in state.assignments
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "cid", "named"),
+    [
+        ("/kubepods/burstable/poduid/abc", "abc", True),
+        ("/kubepods.slice/kubepods-poduid.slice/crio-abc.scope", "abc", True),
+        ("/kubepods.slice/kubepods-poduid.slice/crio-abc.scope/container", "abc", True),
+        ("/libpod_parent/libpod-abc", "abc", True),
+        ("/kubepods.slice/kubepods-poduid.slice/crio-abcdef.scope", "abc", False),
+        ("/kubepods.slice/kubepods-poduid.slice/crio-abc.scope", "crio", False),
+        ("/kubepods/burstable/poduid/xabc", "abc", False),
+    ],
+)
+def test_the_container_cgroup_must_be_named_after_the_container(cgroup, cid, named) -> None:
+    if named:
+        runner._check_container_cgroup(cgroup, cid, 1234)
+    else:
+        with pytest.raises(oci.InputError, match="is not named after container"):
+            runner._check_container_cgroup(cgroup, cid, 1234)
