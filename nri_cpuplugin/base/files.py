@@ -141,6 +141,28 @@ def write_atomic(
             os.close(dir_fd)
 
 
+def remove_temps(dir_fd: int, prefix: str, suffix: str = "", min_age: float = 0.0) -> None:
+    """Remove the temp files of ``write_atomic`` calls that never finished (a writer killed
+    between creating the temp file and renaming it): regular files in ``dir_fd`` whose name
+    starts with ``prefix`` (``.<name>.``) and ends with ``suffix``.  Call it where no such
+    write can be in progress (the caller holds the lock the writers take), or give
+    ``min_age``: only files untouched for that many seconds go, so a writer that takes no
+    lock is not raced."""
+    import time
+
+    now = time.time()
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(prefix) and entry.name.endswith(suffix)):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime >= min_age:
+                _unlink_quietly(entry.name, dir_fd)
+
+
 def _fsync(fd: int) -> float:
     import time  # (already loaded by the interpreter; binding it here keeps module load lean)
 

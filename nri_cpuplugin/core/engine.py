@@ -44,6 +44,9 @@ class Target(Value):
     mems: CPUSet | None = None  # NUMA nodes of exclusive CPUs; None: left as it is
     quota: int | None = None  # CFS quota (us per CFS_PERIOD_US); UNLIMITED; None: left alone
     exclusive: bool = False
+    # Held exclusive CPUs until now: its memory nodes (``mems``, the NUMA nodes of those CPUs)
+    # go back to its parent cgroup's, which are what a shared container is created with.
+    mems_from_parent: bool = False
 
 
 def _in_pool(cid: str, shared: CPUSet) -> Target:
@@ -114,7 +117,7 @@ class Engine:
             # Degraded to the shared pool (hotplug took every CPU it held): its CPU limit
             # bounds it again meanwhile.
             quota = held.count * CFS_PERIOD_US if self.lift_quota else None
-            return Target(cid, state.shared, None, quota)
+            return Target(cid, state.shared, None, quota, mems_from_parent=True)
         return Target(cid, state.shared)
 
     def followers(self, state: NodeState, exclude: str = "") -> tuple[Target, ...]:
@@ -313,7 +316,10 @@ class Engine:
             decision, new_state = resize(self.policy, state, workload, held)
             if new_state is state:
                 return self.update(state, cid)
-        targets = (self.target(new_state, cid), *self._moved(state, new_state, exclude=cid))
+        target = self.target(new_state, cid)
+        if held is not None and held.cpus and not target.exclusive:  # exclusive -> shared
+            target = target.evolve(mems_from_parent=True)
+        targets = (target, *self._moved(state, new_state, exclude=cid))
         events = [
             event(
                 "resize",

@@ -165,7 +165,11 @@ class HotplugEvents:
             if not path:
                 continue  # the runtime's update is all we can do
             target = self.engine.target(state, cid)
-            targets.append(cpusets.Target(cid, path, target.cpus, target.mems, target.quota))
+            targets.append(
+                cpusets.Target(
+                    cid, path, target.cpus, target.mems, target.quota, target.mems_from_parent
+                )
+            )
         returned: dict[str, int] = {}
         if targets and layout is not None:
             applied = cpusets.apply(layout, targets, self.proc)

@@ -38,9 +38,25 @@ class TargetWriter:
         # ignore_failure: a sibling that exits at this very moment must not fail a creation.
         # The runtime writes this cgroup now: what we last wrote there no longer says what is.
         self._cpusets.written_elsewhere(target.container_id)
+        if target.mems_from_parent and not target.mems:
+            target = target.evolve(mems=self._node_mems())
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         fill_cpu(update.linux.resources.cpu, target)
         return update
+
+    def _node_mems(self) -> CPUSet | None:
+        """The memory nodes of the root cpuset, for a container the runtime must give its
+        parent's nodes back to (kubelet restricts no pod's nodes without its memory manager);
+        None, which leaves them as they are, when they cannot be read."""
+        layout = self.liveness.layout()
+        if layout is None:
+            return None
+        name = "cpuset.mems.effective" if layout.version == cgroupfs.V2 else "cpuset.mems"
+        try:
+            with cgroupfs.CgroupFS(layout) as fs:
+                return CPUSet.parse(fs.read("cpuset", "/", name)) or None
+        except (cgroupfs.CgroupError, ValueError):
+            return None
 
     def _grow_pod_cgroup(self, target: Target, state: Any = None) -> None:
         """Give the new container's ancestors (its pod's cgroup above all) the CPUs it gets.
@@ -91,17 +107,28 @@ class TargetWriter:
             return direct
         # Most of them (a creation on a dense node: every shared container) go through the
         # files kept open since they started; the others through cpusets.move.
+        # (A target with memory nodes or a quota to set goes through cpusets.move whole.)
         left = set(
             self._cpusets.write_kept(
-                (t.container_id, t.cpus) for t in direct if t.mems is None and t.quota is None
+                (t.container_id, t.cpus)
+                for t in direct
+                if t.mems is None and t.quota is None and not t.mems_from_parent
             )
         )
         writes = [
             cpusets.Target(
-                t.container_id, self.state.cgroups[t.container_id], t.cpus, t.mems, t.quota
+                t.container_id,
+                self.state.cgroups[t.container_id],
+                t.cpus,
+                t.mems,
+                t.quota,
+                t.mems_from_parent,
             )
             for t in direct
-            if t.container_id in left or t.mems is not None or t.quota is not None
+            if t.container_id in left
+            or t.mems is not None
+            or t.quota is not None
+            or t.mems_from_parent
         ]
         failed = set(cpusets.move(layout, writes, self._unbalanced, self._cpusets).failed)
         return [t for t in direct if t.container_id in failed]

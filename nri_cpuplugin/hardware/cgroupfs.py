@@ -387,19 +387,38 @@ class Transaction:
 # --- cpusets ---------------------------------------------------------------------------------
 
 
-def set_cpuset(tx: Transaction, path: str, cpus: CPUSet, mems: CPUSet | None = None) -> bool:
+def set_cpuset(
+    tx: Transaction,
+    path: str,
+    cpus: CPUSet,
+    mems: CPUSet | None = None,
+    mems_from_parent: bool = False,
+) -> bool:
     """Make the container cgroup ``path`` (and anything nested below it) run on ``cpus`` and,
-    if given, allocate from NUMA nodes ``mems``.  Returns whether anything was written.
+    if given, allocate from NUMA nodes ``mems`` - or, with ``mems_from_parent``, from every
+    node its parent cgroup may use (what a container made without memory nodes gets).
+    Returns whether anything was written.
 
     Ancestors are only ever grown (top-down) to make room; they belong to the pod and kubelet,
     and other containers live below them."""
     if not cpus:
         raise CgroupError(f"refusing to give cgroup {path} an empty cpuset")
     changed = False
+    if mems_from_parent and not mems:
+        mems = parent_mems(tx.fs, path)
     if mems:
         changed |= _apply(tx, path, "cpuset.mems", mems)
     changed |= _apply(tx, path, "cpuset.cpus", cpus)
     return changed
+
+
+def parent_mems(fs: CgroupFS, path: str) -> CPUSet:
+    """The memory nodes the parent of cgroup ``path`` may use (v2: its effective set, since
+    an empty ``cpuset.mems`` there means "as its own parent")."""
+    parts = split_path(path)
+    parent = join(parts[:-1])
+    name = "cpuset.mems.effective" if fs.layout.version == V2 else "cpuset.mems"
+    return _parse(fs.read("cpuset", parent, name), parent, name)
 
 
 def _apply(tx: Transaction, path: str, name: str, target: CPUSet) -> bool:

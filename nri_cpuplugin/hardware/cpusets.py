@@ -70,6 +70,7 @@ class Target(Value):
     mems: CPUSet | None = None
     # CFS quota in microseconds per CFS_PERIOD_US, -1 for none; None leaves the quota alone.
     quota: int | None = None
+    mems_from_parent: bool = False  # (core/engine.Target)
 
 
 class Applied(Value):
@@ -104,7 +105,7 @@ def apply(
             tx = cgroupfs.Transaction(fs)
             try:
                 with tx:
-                    cgroupfs.set_cpuset(tx, path, target.cpus, target.mems)
+                    cgroupfs.set_cpuset(tx, path, target.cpus, target.mems, target.mems_from_parent)
                     # The runtime's cgroupfs driver uses one path in every hierarchy.
                     if target.quota is not None and target.quota < 0:
                         cgroupfs.lift_quota(tx, path)
@@ -137,7 +138,7 @@ def move(
     cgroup with cgroups nested below it (its directory's link count says so, without listing
     it), a refused write (cgroup v1: an ancestor lacks the CPUs, or a child still uses CPUs
     being removed), a set the kernel did not apply as written (cgroup v2), or a target with
-    memory nodes or a CFS quota goes through ``apply``, which handles each of those.
+    memory nodes to set or a CFS quota goes through ``apply``, which handles each of those.
 
     ``unbalanced``: the containers whose cgroup no longer asks for a scheduler domain of its
     own (see ``stop_balancing``); those written first are added to it.  ``files``: their
@@ -148,7 +149,12 @@ def move(
         if unbalanced is not None:
             stop_balancing(fs, [(t.container_id, t.runtime_path) for t in targets], unbalanced)
         for target in targets:
-            if target.mems or target.quota is not None or not _write_leaf(fs, target, files):
+            if (
+                target.mems
+                or target.mems_from_parent
+                or target.quota is not None
+                or not _write_leaf(fs, target, files)
+            ):
                 general.append(target)
                 if files is not None:  # written below, not through the kept file
                     files.written_elsewhere(target.container_id)

@@ -13,7 +13,7 @@ from .records import Record
 
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Collection, Mapping
 
 
 def apply_targets(
@@ -24,17 +24,26 @@ def apply_targets(
     requested: Mapping[str, CPUSet],
     current: Workload | None,
     fault: Callable[[str], None],
+    was_exclusive: Collection[str] = (),
 ) -> list[str]:
     """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
     then CPUs given, the new container last.  One transaction: all or nothing.  Returns
-    one line per cgroup written."""
+    one line per cgroup written.  ``was_exclusive``: containers that held exclusive CPUs
+    before this run; those now shared get their parent's memory nodes back."""
     plan: list[tuple[Record, Target]] = []
     for cid, record in targets.items():
         if cid not in state.assignments and cid not in state.sharing:
             continue
         target = engine.target(state, cid)
+        if cid in was_exclusive and not target.exclusive:
+            target = target.evolve(mems_from_parent=True)
         # Shared containers already on the pool, the usual case, need no write.
-        if target.exclusive or target.quota is not None or requested.get(cid) != target.cpus:
+        if (
+            target.exclusive
+            or target.quota is not None
+            or target.mems_from_parent
+            or requested.get(cid) != target.cpus
+        ):
             plan.append((record, target))
     current_id = current.container_id if current is not None else None
     others = [p for p in plan if p[1].container_id != current_id]
@@ -75,7 +84,9 @@ def apply_targets(
 
 def _place(tx: Transaction, record: Record, target: Target) -> bool:
     """Write the cpuset, and the CFS quota when the target sets one."""
-    changed = cgroupfs.set_cpuset(tx, record.cgroups.cpuset, target.cpus, target.mems)
+    changed = cgroupfs.set_cpuset(
+        tx, record.cgroups.cpuset, target.cpus, target.mems, target.mems_from_parent
+    )
     quota = target.quota
     if quota is not None and record.cgroups.cpu is not None:
         if quota < 0:

@@ -69,6 +69,9 @@ class Records:
         if rec_fd is None:
             return records, problems
         try:
+            # Temp files of record writes killed before their rename (``.<id>.json.<hex>.tmp``):
+            # records are written only under the lock the caller holds, so none is live.
+            files.remove_temps(rec_fd, ".", ".tmp")
             for name in os.listdir(rec_fd):
                 cid = name.removesuffix(".json")
                 if not name.endswith(".json") or not oci.is_container_id(cid):

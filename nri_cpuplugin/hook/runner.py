@@ -45,7 +45,7 @@ from ..storage.store import Expected, StateStore
 from . import oci
 from .apply import apply_targets
 from .records import Record, Records
-from .topology_cache import cached_topology
+from .topology_cache import cached_topology, remove_stale_writes
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
@@ -198,14 +198,14 @@ class Hook:
             self._fault("decided")
 
             # Commit, then act.  The record of a newly placed container is written first, so
-            # every container a committed state names can be found again.
+            # every container a committed state names can be found again.  Records of resized
+            # containers go after the commit: until the state says so, the old record (its old
+            # request) is what makes the next run find the resize again.
             records = {**view.records, **view.resized}
             targets = {c.workload.container_id: records[c.workload.container_id] for c in view.live}
             exclusive = placed and outcome.decision.exclusive
             durable, unsaved = True, ""
             try:
-                for record in view.resized.values():
-                    self.records.write(dir_fd, record)
                 if placed:
                     targets[workload.container_id] = Record(
                         workload, cgroups, _shares(fs, cgroups.cpu)
@@ -216,6 +216,8 @@ class Hook:
                     store.set_aside()
                 if view.stored is None or state != view.stored:
                     store.commit(state)  # (a followed online set: its new fingerprint too)
+                for record in view.resized.values():
+                    self.records.write(dir_fd, record)
             except OSError as err:
                 # A full disk must not stop containers that only share: where they run is
                 # derived again by the next run.  Exclusive CPUs a crash could forget are not
@@ -228,8 +230,16 @@ class Hook:
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
             try:
+                held = view.loaded.state.assignments
                 writes = apply_targets(
-                    fs, engine, state, targets, view.requested, workload, self._fault
+                    fs,
+                    engine,
+                    state,
+                    targets,
+                    view.requested,
+                    workload,
+                    self._fault,
+                    was_exclusive={cid for cid, a in held.items() if a.cpus},
                 )
             except CgroupError as err:
                 if placed and durable and state != view.observed.state:
@@ -284,6 +294,7 @@ class Hook:
         loaded = engine.load(result.state, result.problem, result.quarantined, announce=False)
         self._fault("loaded")
         records, unusable = self.records.load(dir_fd)
+        remove_stale_writes(dir_fd)
         for problem in unusable.values():
             self.audit.record("reconcile", problem, WARNING)
         base = loaded.state
@@ -291,6 +302,7 @@ class Hook:
         observed = Outcome(base)
         pods = set()
         if released_id is not None:
+            _check_stopped(fs, released_id, records.get(released_id))
             observed = engine.stop(base, released_id)
             known.discard(released_id)
             held = base.assignments.get(released_id)
@@ -544,6 +556,31 @@ def _evicted(fs: CgroupFS, record: Record) -> bool:
     if not fs.exists("cpuset", record.cgroups.cpuset):
         return False
     return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
+
+
+def _check_stopped(fs: CgroupFS, cid: str, record: Record | None) -> None:
+    """A poststop's container id comes from stdin: release nothing whose recorded cgroup still
+    holds processes (runtimes run poststop after the container's processes are gone and its
+    cgroup removed), so a forged or misdirected run cannot hand a running container's
+    exclusive CPUs to the next one.  Without a record there is nothing to check: the state
+    cannot name such a container as the hook's own."""
+    if record is None:
+        return
+    try:
+        running = fs.populated(record.cgroups.cpuset) or _evicted(fs, record)
+    except CgroupError as err:
+        if err.errno in _GONE:
+            return
+        raise HookFailure(
+            f"poststop for container {cid}: cannot tell whether it still runs: {err}; "
+            "nothing was changed"
+        ) from None
+    if running:
+        raise HookFailure(
+            f"poststop for container {cid}, but its cgroup {record.cgroups.cpuset} still has "
+            "processes: it keeps its CPUs and nothing was changed (runtimes run poststop after "
+            "a container's processes are gone; is the hook entry's stage right?)"
+        )
 
 
 # What a cgroup read fails with when the cgroup is not there (None: a path refused before any

@@ -43,6 +43,12 @@ def cached_topology(sysfs: str, state_dir: str, dir_fd: int) -> Topology:
     return topology
 
 
+def remove_stale_writes(dir_fd: int) -> None:
+    """Temp files of cache writes killed before their rename.  Those writes take no lock, so
+    only files a minute old go: a live write takes milliseconds."""
+    files.remove_temps(dir_fd, f".{TOPOLOGY_CACHE}.", ".tmp", min_age=60.0)
+
+
 def _topology_key(sysfs: str) -> dict[str, Any] | None:
     cpu_dir = os.path.join(sysfs, "devices/system/cpu")
     try:

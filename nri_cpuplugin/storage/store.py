@@ -257,14 +257,8 @@ class StateStore:
 
     def _remove_stale_temps(self, dir_fd: int) -> None:
         # Only a writer killed mid-commit leaves these, and we hold the lock, so none is live.
-        with os.scandir(dir_fd) as entries:
-            for entry in entries:
-                # (".state.json.<hex>" without ".tmp": the name earlier versions used)
-                if entry.name.startswith(f".{STATE_FILE}.") and not entry.is_dir(
-                    follow_symlinks=False
-                ):
-                    with suppress(FileNotFoundError):
-                        os.unlink(entry.name, dir_fd=dir_fd)
+        # (".state.json.<hex>" without ".tmp": the name earlier versions used)
+        files.remove_temps(dir_fd, f".{STATE_FILE}.")
 
     # --- reading ---------------------------------------------------------------------------
 

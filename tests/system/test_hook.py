@@ -84,6 +84,22 @@ def test_poststop_gives_the_cpu_back(box: CgroupSandbox) -> None:
     assert box.problems([web]) == []
 
 
+def test_a_poststop_for_a_container_that_still_runs_releases_nothing(box: CgroupSandbox) -> None:
+    """The id on a poststop's stdin is not trusted: a container whose cgroup still has
+    processes keeps its exclusive CPU, and the next exclusive request is refused."""
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0 and box.hook(db).returncode == 0
+    result = box.hook(db, stage="poststop")  # db has not stopped
+    assert result.returncode == 1
+    assert "still has processes" in result.reason_lines[-1], result.stderr
+    assert str(state_of(box).assignments[db.id].cpus) == LAST
+    assert box.affinity(db) == LAST and box.affinity(web) == "0"
+    rival = box.add(pod("rival"), "rival", millicores=1000, limit=1000)
+    assert box.hook(rival).returncode == 1
+    assert box.problems([web, db]) == []
+
+
 def test_stage_is_read_from_the_state_status(box: CgroupSandbox) -> None:
     db = box.add(pod("db"), "db", millicores=1000, limit=1000)
     assert box.hook(db.state_json("creating"), stage=None).returncode == 0

@@ -10,14 +10,19 @@ live container's cpuset what the state says.
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from harness import host
 from harness.runc import CgroupSandbox, pod, sandbox
 
+from nri_cpuplugin.hook.records import RECORDS_DIR
 from nri_cpuplugin.hook.runner import FAULT_ENV, FAULT_STEPS
+from nri_cpuplugin.hook.topology_cache import TOPOLOGY_CACHE
 
 ALL = f"0-{host.online_cpus()[-1]}"
 LAST = str(host.online_cpus()[-1])
@@ -83,3 +88,50 @@ def test_repeated_create_for_the_same_container_is_idempotent(box: CgroupSandbox
     allocate = next(r for r in result.records if r["ACTION"] == "allocate")
     assert allocate["REASON"] == "already assigned" and allocate["CGROUP_WRITES"] == "0"
     assert box.problems([db]) == []
+
+
+@pytest.mark.parametrize("step", ["recorded", "committed"])
+def test_an_in_place_resize_found_by_a_killed_run_is_found_again(
+    box: CgroupSandbox, step: str
+) -> None:
+    """A run that finds a resize and dies before its cgroup writes: the next run still sees
+    the new request and resizes (the resized record is written only after the commit)."""
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0 and box.hook(db).returncode == 0
+    (box.cpu_dir(db.cgroup) / "cpu.shares").write_text("1536\n")  # 1500m: shared now
+    victim = box.add(pod("late", "burstable"), "late", millicores=100)
+    result = box.hook(victim, env={FAULT_ENV: step})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    box.stop(victim)
+
+    later = box.add(pod("later", "burstable"), "later", millicores=100)
+    result = box.hook(later)
+    assert result.returncode == 0, result.stderr
+    assert box.affinity(db) == ALL and box.affinity(web) == ALL
+    assert box.problems([web, db, later]) == []
+
+
+def test_temp_files_of_killed_writes_are_removed_by_the_next_run(box: CgroupSandbox) -> None:
+    """A write killed between its temp file and the rename leaves the temp file: a record's is
+    removed by the next run, the topology cache's once it is a minute old (cache writes take
+    no lock), and nothing else in the state directory is touched."""
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    assert box.hook(web).returncode == 0
+    state_dir = Path(box.state_dir)
+    records = state_dir / RECORDS_DIR
+    record_temp = records / f".{web.id}.json.0123456789ab.tmp"
+    old_cache_temp = state_dir / f".{TOPOLOGY_CACHE}.0123456789ab.tmp"
+    new_cache_temp = state_dir / f".{TOPOLOGY_CACHE}.ba9876543210.tmp"
+    unrelated = state_dir / ".keep-me"
+    for path in (record_temp, old_cache_temp, new_cache_temp, unrelated):
+        path.write_text("{")
+    os.utime(old_cache_temp, (time.time() - 120, time.time() - 120))
+
+    late = box.add(pod("late", "burstable"), "late", millicores=100)
+    assert box.hook(late).returncode == 0
+    assert not record_temp.exists() and not old_cache_temp.exists()
+    assert new_cache_temp.exists() and unrelated.exists()
+    assert sorted(p.name for p in records.iterdir()) == sorted(
+        [f"{web.id}.json", f"{late.id}.json"]
+    )

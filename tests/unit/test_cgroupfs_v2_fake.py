@@ -57,6 +57,25 @@ def test_writes_leaf_cpus_and_mems_and_reads_effective_back(fake: FakeV2) -> Non
     assert names == [("/kubepods/pod1/ctr", "cpuset.mems"), ("/kubepods/pod1/ctr", "cpuset.cpus")]
 
 
+def test_memory_nodes_from_the_parent_for_a_container_that_was_exclusive(fake: FakeV2) -> None:
+    """Exclusive on NUMA node 1 until now (crun's nested ``container`` cgroup below it too):
+    back in the shared pool, the container may use every node its pod cgroup may."""
+    fake.mk("kubepods")
+    fake.mk("kubepods/pod1", mems_effective="0-1")
+    fake.mk("kubepods/pod1/ctr", cpus="2", mems="1", effective="0-3", mems_effective="0-1")
+    fake.mk("kubepods/pod1/ctr/container", mems="1", effective="0-3", mems_effective="0-1")
+    with fake.fs() as fs, Transaction(fs) as tx:
+        assert cgroupfs.set_cpuset(tx, "/kubepods/pod1/ctr", C("0-3"), mems_from_parent=True)
+    for path in ("kubepods/pod1/ctr", "kubepods/pod1/ctr/container"):
+        assert fake.read(path, "cpuset.mems") == "0-1"
+    assert fake.read("kubepods/pod1/ctr", "cpuset.cpus") == "0-3"
+    # Without it, memory nodes are left as they are.
+    fake.mk("kubepods/pod1/other", cpus="2", mems="1", effective="0-3")
+    with fake.fs() as fs, Transaction(fs) as tx:
+        cgroupfs.set_cpuset(tx, "/kubepods/pod1/other", C("0-3"))
+    assert fake.read("kubepods/pod1/other", "cpuset.mems") == "1"
+
+
 def test_effective_mismatch_fails_and_rolls_back(fake: FakeV2) -> None:
     fake.mk("kubepods", cpus="0-1")
     # The fake's effective value stays 0-1: what the kernel reports when no ancestor further

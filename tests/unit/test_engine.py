@@ -143,6 +143,7 @@ def test_quota_targets(cfs_quota, exclusive_quota, degraded_quota):
     )
     degraded = eng.target(state, "db-id")
     assert (degraded.cpus, degraded.mems, degraded.quota) == (state.shared, None, degraded_quota)
+    assert degraded.mems_from_parent  # no longer held to its lost CPUs' NUMA node
     assert [t.container_id for t in eng.followers(state)] == ["db-id"]
 
 

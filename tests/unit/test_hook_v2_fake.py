@@ -328,3 +328,36 @@ def test_the_container_cgroup_must_be_named_after_the_container(cgroup, cid, nam
     else:
         with pytest.raises(oci.InputError, match="is not named after container"):
             runner._check_container_cgroup(cgroup, cid, 1234)
+
+
+def test_a_container_that_was_exclusive_gets_its_parent_memory_nodes_back(node: Node) -> None:
+    """A run that finds a container exclusive no more (resized to a fraction of a CPU, or its
+    CPUs hot-unplugged) writes its memory nodes back, even when its CPUs already say the
+    shared pool."""
+    from nri_cpuplugin.core.engine import Engine
+    from nri_cpuplugin.core.policy import StaticPolicy
+    from nri_cpuplugin.core.workload import BURSTABLE, Workload
+    from nri_cpuplugin.hook.apply import apply_targets
+    from nri_cpuplugin.hook.records import Record
+
+    engine = Engine(StaticPolicy(topology_cache.discover(str(node.sysfs)), CPUSet.parse("0,24")))
+    workload = Workload(
+        container_id="db", container_name="db", pod_uid="uid-db", pod_name="db",
+        pod_namespace="ns", qos=BURSTABLE, cpu_request_milli=1500, cpu_limit_milli=None,
+    )  # fmt: skip
+    state = engine.create(engine.policy.empty_state(), workload).state
+    node.fake.mk("/kubepods/burstable", mems_effective="0-1")
+    cgroup = "/kubepods/burstable/poduid-db/db"
+    node.fake.mk(
+        cgroup, cpus=str(state.shared), mems="0", effective=str(state.shared), mems_effective="0-1"
+    )
+    records = {"db": Record(workload, cgroupfs.ContainerCgroups(cgroup, cgroup))}
+    requested = {"db": state.shared}
+    with node.fake.fs() as fs:
+        written = apply_targets(fs, engine, state, records, requested, None, lambda _: None)
+        assert written == [] and node.fake.read(cgroup, "cpuset.mems") == "0"  # shared before
+        written = apply_targets(
+            fs, engine, state, records, requested, None, lambda _: None, was_exclusive={"db"}
+        )
+    assert written == [f"db={state.shared}"]
+    assert node.fake.read(cgroup, "cpuset.mems") == "0-1"

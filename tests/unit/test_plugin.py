@@ -119,6 +119,24 @@ def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
     assert restarted.state.assignments[ctr.id].cpus == P("1,25")
 
 
+def test_a_container_resized_from_exclusive_to_shared_gets_the_node_memory_nodes_back(
+    node, tmp_path
+):
+    """Exclusive CPUs came with their NUMA node's memory (``cpuset.mems`` 0); in the shared
+    pool its memory may come from any node again - the root cpuset's, on the fake v2 tree."""
+    plugin, _ = node
+    fake = FakeV2(tmp_path / "fake-cgroup2")
+    plugin.liveness.root = str(fake.root)
+    assert plugin.liveness.layout() is not None
+    db = pod("db")
+    ctr = container("postgres", db, 2000)
+    plugin.create_container(db, ctr)
+    [mine] = plugin.update_container(db, ctr, resources(1500))
+    assert cpu_of(mine) == ("0-47", "0-1", None) and not mine.ignore_failure
+    [again] = plugin.update_container(db, ctr, resources(1200))  # shared to shared
+    assert cpu_of(again) == ("0-47", "", None)
+
+
 def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     plugin, records = node
     # The fixture's plugin starts from an empty state and so reads the *host's* cgroups for

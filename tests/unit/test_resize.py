@@ -118,8 +118,14 @@ def test_exclusive_to_shared_and_back():
     assert "db-id" not in shared.state.assignments and "db-id" in shared.state.sharing
     assert held <= shared.state.shared
     assert shared.targets[0].cpus == shared.state.shared and not shared.targets[0].exclusive
+    # Its memory nodes were those of its CPUs (NUMA 0): they go back to its parent's.
+    assert shared.targets[0].mems_from_parent
     back = eng.resize(shared.state, wl("db", 2000))  # 1500m -> 2: placed like a new one
     assert back.decision.exclusive and len(back.decision.cpus) == 2
+    assert back.targets[0].mems == P("0") and not back.targets[0].mems_from_parent
+    # A shared container that stays shared keeps its memory nodes as they are.
+    again = eng.resize(shared.state, wl("db", 1200))
+    assert not any(t.mems_from_parent for t in again.targets)
     assert "db-id" not in back.state.sharing
 
 
