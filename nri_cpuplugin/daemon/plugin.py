@@ -234,7 +234,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self.runtime_lists = True
         self._unbalanced &= specs.keys()
         self._cpusets.keep_only(specs)
-        self.pod_nics.keep_only(pod.uid for pod in pods)
+        self.pod_nics.keep_only(pod.id for pod in pods)
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
@@ -465,10 +465,10 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
                 return
         except PolicyError:
             return  # its creations refuse the annotation, with the reason
-        self.pod_nics.read_ahead(pod.uid, netns)
+        self.pod_nics.read_ahead(pod.id, netns)
 
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
-        self.pod_nics.forget(pod.uid)
+        self.pod_nics.forget(pod.id)
         with self.store.locked():
             outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
         self.audit.emit(outcome.events)
@@ -531,7 +531,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         if self.policy.eligibility(workload)[0] is None:
             return None
         netns = nic.netns_path(pod.linux.namespaces)
-        read_ahead = self.pod_nics.lister_for(pod.uid, netns)
+        read_ahead = self.pod_nics.lister_for(pod.id, netns)
         used = []
 
         def lister(path: str) -> Listing:

@@ -17,6 +17,8 @@ there was no read (the daemon started after the pod did, or no thread could be s
 An interface moved into the pod's namespace after the sandbox started is not seen by its
 containers' placement.  Entries are dropped with the pod (RemovePodSandbox) and when the
 runtime no longer lists it (Synchronize); at most ``limit`` pods are kept, oldest dropped.
+They are keyed by sandbox id, not pod uid: a pod whose sandbox is recreated (same uid) keeps
+the new sandbox's read when the old sandbox's removal comes after it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ WAIT = nic.NETLINK_TIMEOUT
 
 
 class _Read:
-    def __init__(self, pod_uid: str, netns: str) -> None:
-        self.pod_uid = pod_uid
+    def __init__(self, sandbox_id: str, netns: str) -> None:
+        self.sandbox_id = sandbox_id
         self.netns = netns
         self.done = threading.Event()
         self.listing: Listing | None = None
@@ -44,7 +46,7 @@ class _Read:
 
 
 class PodNICs:
-    """Pod uid -> the interfaces of its network namespace, read ahead (see the module text)."""
+    """Sandbox id -> the interfaces of its network namespace, read ahead (see the module text)."""
 
     def __init__(self, lister: Callable[[str], Listing] = nic.list_links, limit: int = 4096):
         self.lister = lister
@@ -57,9 +59,9 @@ class PodNICs:
     def __len__(self) -> int:
         return len(self._reads)
 
-    def read_ahead(self, pod_uid: str, netns: str) -> None:
+    def read_ahead(self, sandbox_id: str, netns: str) -> None:
         """Start reading the interfaces of ``netns`` for the pod; returns at once."""
-        read = _Read(pod_uid, netns)
+        read = _Read(sandbox_id, netns)
         with self._guard:
             if self._thread is None:
                 thread = threading.Thread(
@@ -70,19 +72,19 @@ class PodNICs:
                 except RuntimeError:  # no thread to be had (a pids limit): creations read
                     return
                 self._thread = thread
-            self._reads.pop(pod_uid, None)  # (re-inserted last: the newest)
-            self._reads[pod_uid] = read
+            self._reads.pop(sandbox_id, None)  # (re-inserted last: the newest)
+            self._reads[sandbox_id] = read
             while len(self._reads) > self.limit:
                 del self._reads[next(iter(self._reads))]
         self._queue.put(read)
 
-    def lister_for(self, pod_uid: str, netns: str | None) -> Callable[[str], Listing] | None:
+    def lister_for(self, sandbox_id: str, netns: str | None) -> Callable[[str], Listing] | None:
         """A ``lister`` for nic.locality that gives what was read for the pod (waiting up to
         WAIT for a read still running) or raises as the read did; None when nothing was read
         for this namespace (None: the host's) or the read failed unexpectedly: the caller
         reads for itself."""
         with self._guard:
-            read = self._reads.get(pod_uid)
+            read = self._reads.get(sandbox_id)
         if read is None or read.netns != netns:
             return None
         if not read.done.wait(WAIT):
@@ -100,21 +102,21 @@ class PodNICs:
 
         return failed
 
-    def forget(self, pod_uid: str) -> None:
+    def forget(self, sandbox_id: str) -> None:
         with self._guard:
-            self._reads.pop(pod_uid, None)
+            self._reads.pop(sandbox_id, None)
 
-    def keep_only(self, pod_uids: Iterable[str]) -> None:
-        keep = set(pod_uids)
+    def keep_only(self, sandbox_ids: Iterable[str]) -> None:
+        keep = set(sandbox_ids)
         with self._guard:
-            for uid in [u for u in self._reads if u not in keep]:
-                del self._reads[uid]
+            for sid in [s for s in self._reads if s not in keep]:
+                del self._reads[sid]
 
     def _run(self) -> None:
         while True:
             read = self._queue.get()
             with self._guard:
-                wanted = self._reads.get(read.pod_uid) is read  # not gone with its pod
+                wanted = self._reads.get(read.sandbox_id) is read  # not gone with its pod
             try:
                 if wanted:
                     read.listing = self.lister(read.netns)

@@ -171,6 +171,25 @@ def test_the_plugin_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugi
     assert len(plugin.pod_nics) == 0
 
 
+def test_a_recreated_sandbox_keeps_its_read_when_the_old_one_is_removed_after_it(plugin):
+    """Same pod uid, a new sandbox (and network namespace): the old sandbox's removal, which
+    may come later, drops only its own read."""
+    lister = Lister()
+    plugin.pod_nics.lister = lister
+    old = in_netns(pod("db"))
+    plugin.run_pod_sandbox(old)
+    new = in_netns(pod("db"), "/var/run/netns/cni-5678")
+    new.id = "sb-db-2"
+    plugin.run_pod_sandbox(new)
+    plugin.remove_pod_sandbox(old)
+    plugin.create_container(new, container("postgres", new, 2000))
+    # (The old sandbox's read may be dropped before its turn.)  The new one was read once,
+    # ahead, and used.
+    assert [netns for netns, _ in lister.calls].count("/var/run/netns/cni-5678") == 1
+    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    assert "(interfaces read when the pod started)" in record["MESSAGE"]
+
+
 def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
     plugin.pod_nics.lister = Lister(nic.NICError("cannot open network namespace: gone"))
     db = in_netns(pod("db"))
