@@ -292,7 +292,13 @@ class Worker:
             return await waiter
         except asyncio.CancelledError:
             # The stub's guard answered with an error, or the connection went.
-            job.abandon(ERROR if job.refusable else FALLBACK)
+            answer = ERROR if job.refusable else FALLBACK
+            if not job.abandon(answer) and job.late is not None:
+                # It had ended, its result waiting behind a stalled event loop: the answer did
+                # not carry it, so its late part runs all the same, after it.
+                self.submit(
+                    f"{job.name} (late)", _late, job, answer, time.monotonic(), awaited=False
+                )
             raise
         finally:
             if timer is not None:
@@ -332,6 +338,13 @@ def _keep_to(cpu: int) -> set[int] | None:
 def _restore(mask: set[int]) -> None:
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, mask)
+
+
+def _late(job: Job, answer: str, answered_at: float) -> None:
+    """The late part of a job that ended before its request was answered without it."""
+    job.answer, job.answered_at = answer, answered_at
+    assert job.late is not None
+    job.late(job)
 
 
 def _resolve(waiter: asyncio.Future[bool], value: bool) -> None:

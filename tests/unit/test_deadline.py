@@ -842,6 +842,53 @@ def test_when_the_stubs_guard_answers_first_a_creation_is_dropped_and_a_release_
     assert late[1].endswith("answered with an error: nothing was assigned")
 
 
+def test_a_creation_that_ended_while_the_loop_stalled_past_the_guard_is_undone(
+    tmp_path, holders, monkeypatch
+):
+    """The job ends while the event loop is stalled past the stub's guard: the guard's error
+    goes out (its timer comes before the job's result), so the runtime does not create the
+    container - and the exclusive CPUs decided for it are released again, not kept until
+    kubelet's retry."""
+    from nri_cpuplugin.daemon import deadline
+    from nri_cpuplugin.nri import stub as stub_module
+
+    monkeypatch.setattr(stub_module, "DEADLINE_SHARE", 0.2)  # 2 s * 0.2: the guard at 0.4 s
+    monkeypatch.setattr(deadline, "BUDGET_SHARE", 5.0)  # our budget (5 s) after it
+    plugin, records = make(tmp_path, budget=5.0)
+    socket_path = tmp_path / "nri.sock"
+    big = pod("big")
+
+    async def scenario():
+        async with connected(plugin, socket_path) as (runtime, stub):
+            holder = holders(plugin.settings.state_dir)
+            loop = asyncio.get_running_loop()
+
+            def stall() -> None:  # the job gets the lock and ends; the loop sees it too late
+                assert plugin.worker.current is not None  # waiting for the lock
+                holder.release()
+                give_up = time.monotonic() + 10
+                while plugin.worker.current is not None and time.monotonic() < give_up:
+                    time.sleep(0.005)
+                time.sleep(max(0.0, sent + 0.5 - time.monotonic()))  # past the guard
+
+            sent = time.monotonic()
+            loop.call_later(0.1, stall)
+            reply = await runtime.call(
+                "CreateContainer",
+                pb.CreateContainerRequest(pod=big, container=container("big", big, 4000)),
+            )
+            assert reply.code == 4 and "did not finish within 0.40s" in reply.message
+            assert await plugin.drain()
+            assert stub.connected.is_set()
+
+    asyncio.run(scenario())
+    assert [r["ACTION"] for r in records if r["ACTION"] == "allocate"] == ["allocate"]
+    assert plugin.state.assignments == {}
+    [late] = records.of("deadline-late")
+    assert "CreateContainer of container 'big' of pod ns/big ended" in late["MESSAGE"]
+    assert "were released again" in late["MESSAGE"] or "dropped again" in late["MESSAGE"]
+
+
 def test_the_worker_runs_where_the_loop_is_and_the_loop_keeps_its_cpus(tmp_path):
     """The worker follows the event loop's CPU (a job on the other CPU costs cold caches and
     wake-ups); the loop is held there only while it waits, its own affinity given back."""
