@@ -9,6 +9,10 @@ before CreateContainer returns.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import subprocess
 import tempfile
 import time
 from contextlib import ExitStack
@@ -80,6 +84,62 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         "window_open": window_open,
         "converge_s": converge,
     }
+
+
+def cgroup_write_floor(count: int, rounds: int = 31) -> dict:
+    """The kernel's cost of moving ``count`` shared containers off a CPU (cgroup v1), with
+    nothing else on the way: ``count`` private container cgroups, one sleeping task each, made
+    as the daemon prepares shared containers (no scheduler domain of their own, ``cpuset.cpus``
+    kept open), then every file written with the pool minus the last CPU and back, in a tight
+    loop.  Returns the median and p99 of one such pass (the shrink, what a creation waits
+    for), in ms.  Everything made is removed again, also on failure."""
+    cpus = host.online_cpus()
+    everything = f"{cpus[0]}-{cpus[-1]}"
+    pool = ",".join(map(str, cpus[:-1]))
+    top = host.cgroup_dir(f"/nri-bench-floor-{secrets.token_hex(3)}")
+    made: list[Path] = []
+    tasks: list[subprocess.Popen] = []
+    files: list[int] = []
+    try:
+        for directory in [top] + [top / f"pod{i}" for i in range(count)]:
+            directory.mkdir()
+            made.append(directory)
+            (directory / "cpuset.mems").write_text((top.parent / "cpuset.mems").read_text())
+            (directory / "cpuset.cpus").write_text(everything)
+        for i in range(count):
+            leaf = top / f"pod{i}" / "ctr"
+            leaf.mkdir()
+            made.append(leaf)
+            (leaf / "cpuset.mems").write_text((top.parent / "cpuset.mems").read_text())
+            (leaf / "cpuset.cpus").write_text(everything)
+            (leaf / "cpuset.sched_load_balance").write_text("0")
+            tasks.append(subprocess.Popen(["sleep", "3600"]))
+            (leaf / "cgroup.procs").write_text(str(tasks[-1].pid))
+            files.append(os.open(leaf / "cpuset.cpus", os.O_WRONLY | os.O_CLOEXEC))
+        shrink, grow = f"{pool}\n".encode(), f"{everything}\n".encode()
+        passes = []
+        for _ in range(rounds):
+            began = time.perf_counter()
+            for fd in files:
+                os.pwrite(fd, shrink, 0)
+            passes.append(time.perf_counter() - began)
+            for fd in files:
+                os.pwrite(fd, grow, 0)
+        return summary(passes)
+    finally:
+        for fd in files:
+            os.close(fd)
+        for task in tasks:
+            task.kill()
+            task.wait()
+        for directory in reversed(made):
+            for _ in range(100):  # a killed task leaves its cgroup a moment later
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+                    break
+                time.sleep(0.01)
+            else:
+                directory.rmdir()  # still busy after a second: say why
 
 
 def _convergence(runtime: Containerd, daemon: Daemon, pod: str, shared: list[str]) -> float:
