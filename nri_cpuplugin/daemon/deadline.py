@@ -281,7 +281,11 @@ class DeadlinePlugin(CPUPlugin):
         job = self.worker.current
         if job is not None:
             job.before = self.state
-        return super().update_container(pod, container, resources)
+        try:
+            return super().update_container(pod, container, resources)
+        finally:
+            if job is not None:
+                job.after = self.state
 
     def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
@@ -355,6 +359,12 @@ class DeadlinePlugin(CPUPlugin):
         to anyone else meanwhile.  Kubelet retries it."""
         before = job.before
         if job.answer != ERROR or job.error is not None or before is None or before is self.state:
+            self._replay_late(job)
+            return
+        if job.after is not self.state:
+            # Other work was committed since (its late part was put off behind it: the stub's
+            # guard, daemon/worker.py): going back to ``before`` would undo that too.  The
+            # resize stands; its reply is owed, and kubelet's retry finds it made.
             self._replay_late(job)
             return
         with self.store.locked():

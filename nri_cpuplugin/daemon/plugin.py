@@ -106,6 +106,10 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self._cpusets = OpenCpusets()
         # The interfaces of Guaranteed pods' namespaces, read as each pod starts.
         self.pod_nics = PodNICs()
+        # Pod uid -> the sandbox its newest container was created in.  kubelet recreates a
+        # pod's sandbox under the same uid and removes the old one later (garbage collection):
+        # that removal must not take the CPUs of the new sandbox's containers.
+        self._latest_sandbox: dict[str, str] = {}
         # Whether the runtime listed its containers on this connection (Synchronize), as it
         # then does at every connection: an exclusive assignment a crash kept from the state
         # file comes back from that list, so it may be committed after the answer (_hold).
@@ -220,12 +224,14 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         by_id = {pod.id: pod for pod in pods}
         live = []
         specs: dict[str, pb.Container] = {}
+        latest: dict[str, str] = {}
         for container in containers:
             pod = by_id.get(container.pod_sandbox_id)
             if pod is None or container.state not in LIVE_STATES:
                 continue
             live.append(LiveContainer(from_nri(pod, container), cpus_of(container)))
             specs[container.id] = container
+            latest[pod.uid] = pod.id
         with self.store.locked():
             outcome = self._commit(
                 self.engine.synchronize(self.state, live, [pod.uid for pod in pods])
@@ -235,6 +241,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self._unbalanced &= specs.keys()
         self._cpusets.keep_only(specs)
         self.pod_nics.keep_only(pod.id for pod in pods)
+        self._latest_sandbox = latest
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)
@@ -276,6 +283,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         commits it (``_hold``).  Without that list, a shared one is committed right after the
         answer."""
         workload = from_nri(pod, container)
+        self._latest_sandbox[pod.uid] = pod.id
         try:
             # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
             locality = self._nic_locality(pod, workload)
@@ -469,6 +477,16 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
 
     def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         self.pod_nics.forget(pod.id)
+        if self._latest_sandbox.setdefault(pod.uid, pod.id) != pod.id:
+            self.audit.record(
+                "reconcile",
+                f"an earlier sandbox {pod.id[:12]} of pod {pod.namespace}/{pod.name} was "
+                "removed: the containers of its newer sandbox keep what they hold",
+                audit_mod.INFO,
+                reason="earlier sandbox removed",
+            )
+            return
+        del self._latest_sandbox[pod.uid]
         with self.store.locked():
             outcome = self._commit(self.engine.remove_pod(self.state, pod.uid))
         self.audit.emit(outcome.events)

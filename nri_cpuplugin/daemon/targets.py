@@ -39,21 +39,25 @@ class TargetWriter:
         # The runtime writes this cgroup now: what we last wrote there no longer says what is.
         self._cpusets.written_elsewhere(target.container_id)
         if target.mems_from_parent and not target.mems:
-            target = target.evolve(mems=self._node_mems())
+            target = target.evolve(mems=self._parent_mems(target.container_id))
         update = pb.ContainerUpdate(container_id=target.container_id, ignore_failure=ignore_failure)
         fill_cpu(update.linux.resources.cpu, target)
         return update
 
-    def _node_mems(self) -> CPUSet | None:
-        """The memory nodes of the root cpuset, for a container the runtime must give its
-        parent's nodes back to (kubelet restricts no pod's nodes without its memory manager);
-        None, which leaves them as they are, when they cannot be read."""
+    def _parent_mems(self, cid: str) -> CPUSet | None:
+        """The memory nodes of the container's parent cgroup (its pod's), for the runtime to
+        give back to it - or, when its cgroup is unknown, the root cpuset's (kubelet restricts
+        no pod's nodes without its memory manager).  None, which leaves them as they are, when
+        neither can be read."""
         layout = self.liveness.layout()
         if layout is None:
             return None
-        name = "cpuset.mems.effective" if layout.version == cgroupfs.V2 else "cpuset.mems"
+        path = self.state.cgroups.get(cid, "")
         try:
             with cgroupfs.CgroupFS(layout) as fs:
+                if path:
+                    return cgroupfs.parent_mems(fs, cgroup_path(path)) or None
+                name = "cpuset.mems.effective" if layout.version == cgroupfs.V2 else "cpuset.mems"
                 return CPUSet.parse(fs.read("cpuset", "/", name)) or None
         except (cgroupfs.CgroupError, ValueError):
             return None

@@ -53,6 +53,7 @@ class Job:
         "_finished",
         "_lock",
         "_waiter",
+        "after",
         "answer",
         "answered_at",
         "answered_cpus",
@@ -101,8 +102,10 @@ class Job:
         self.answered_at = 0.0
         self.answered_cpus = ""  # a shared creation answered with the pool: which CPUs
         self.subject = name  # what the request was about, for the audit trail
-        # A creation's or a resize's: the state as it began, which an error answer keeps.
+        # A creation's or a resize's: the state as it began, which an error answer keeps, and
+        # (a resize's) the state it left.
         self.before: Any = None
+        self.after: Any = None
         self._lock = _thread.allocate_lock()
         self._finished = False
         self._waiter: asyncio.Future[bool] | None = None

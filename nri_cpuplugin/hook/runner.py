@@ -216,8 +216,6 @@ class Hook:
                     store.set_aside()
                 if view.stored is None or state != view.stored:
                     store.commit(state)  # (a followed online set: its new fingerprint too)
-                for record in view.resized.values():
-                    self.records.write(dir_fd, record)
             except OSError as err:
                 # A full disk must not stop containers that only share: where they run is
                 # derived again by the next run.  Exclusive CPUs a crash could forget are not
@@ -227,6 +225,8 @@ class Hook:
                     raise
                 durable = False
                 unsaved = str(err)
+            if durable:
+                unsaved = self._write_resized(dir_fd, view)
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
             try:
@@ -262,6 +262,14 @@ class Hook:
             self.audit.record(
                 "state-unsaved",
                 f"the state could not be written; the cgroups were written anyway: {unsaved}",
+                WARNING,
+                reason=unsaved,
+            )
+        elif unsaved:
+            self.audit.record(
+                "state-unsaved",
+                f"the record of a container resized in place could not be written: {unsaved}; "
+                "the next run finds the resize again",
                 WARNING,
                 reason=unsaved,
             )
@@ -329,6 +337,16 @@ class Hook:
             frozenset(evicted),
             resized,
         )
+
+    def _write_resized(self, dir_fd: int, view: _View) -> str:
+        """Rewrite the records of containers resized in place, once the state says so; why
+        that failed, if it did (the next run then finds the resize again, already made)."""
+        try:
+            for record in view.resized.values():
+                self.records.write(dir_fd, record)
+        except OSError as err:
+            return str(err)
+        return ""
 
     def _resized(
         self,

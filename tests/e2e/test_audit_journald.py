@@ -88,6 +88,7 @@ def test_hook_decisions_are_journal_entries(journal):
         assert box.hook(greedy, env=env).returncode == 1
         [refuse] = journal.wait_entries("ACTION=refuse")
         assert refuse["CONTAINER_ID"] == greedy.id and refuse["PRIORITY"] == "3"
+        box.stop(db)  # poststop comes once the container's processes are gone
         assert box.hook(db, stage="poststop", env=env).returncode == 0
         [release] = journal.wait_entries("ACTION=release")
         assert release["CPUS"] == "1"

@@ -135,3 +135,42 @@ def test_temp_files_of_killed_writes_are_removed_by_the_next_run(box: CgroupSand
     assert sorted(p.name for p in records.iterdir()) == sorted(
         [f"{web.id}.json", f"{late.id}.json"]
     )
+
+
+def test_a_resized_record_that_cannot_be_written_fails_nothing(
+    box: CgroupSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run that finds a resize places an exclusive container on the CPU the resize freed,
+    and the resized container's record cannot be rewritten after the commit (a full disk):
+    the new container is placed all the same, and the next run finds the resize again."""
+    import io
+
+    from nri_cpuplugin.hook import entry as hook
+    from nri_cpuplugin.hook.records import Records
+    from nri_cpuplugin.ops.audit import Audit
+
+    web = box.add(pod("web", "burstable"), "web", millicores=500)
+    db = box.add(pod("db"), "db", millicores=1000, limit=1000)
+    assert box.hook(web).returncode == 0 and box.hook(db).returncode == 0
+    (box.cpu_dir(db.cgroup) / "cpu.shares").write_text("1536\n")  # 1500m: shared now
+    late = box.add(pod("late"), "late", millicores=1000, limit=1000)
+    write = Records.write
+
+    def full_for_db(self, dir_fd, record):
+        if record.workload.container_id == db.id:
+            raise OSError(28, "No space left on device")
+        return write(self, dir_fd, record)
+
+    monkeypatch.setattr(Records, "write", full_for_db)
+    values = {"state-dir": str(box.state_dir), "reserved-cpus": "0"}
+    settings, options = hook.settings_and_options("createRuntime", values, {})
+    records: list[dict] = []
+    stderr = io.StringIO()
+    stdin = io.BytesIO(late.state_json("creating"))
+    assert hook.run(settings, options, stdin, stderr, Audit(records.append)) == 0, stderr
+    assert box.affinity(late) == LAST and box.affinity(db) == "0"
+    assert any("finds the resize again" in r["MESSAGE"] for r in records)
+    monkeypatch.setattr(Records, "write", write)
+    later = box.add(pod("later", "burstable"), "later", millicores=100)
+    assert box.hook(later).returncode == 0
+    assert box.problems([web, db, late, later]) == []

@@ -889,6 +889,29 @@ def test_a_creation_that_ended_while_the_loop_stalled_past_the_guard_is_undone(
     assert "were released again" in late["MESSAGE"] or "dropped again" in late["MESSAGE"]
 
 
+def test_a_resize_undone_late_does_not_undo_what_was_committed_after_it(tmp_path):
+    """A resize's late part put off behind other work (the stub's guard answered after the
+    job had ended): going back to the state the resize began with would also undo what the
+    later work committed, so the resize stands and its reply is owed instead."""
+    from nri_cpuplugin.daemon.worker import ERROR, Job
+
+    plugin, records = make(tmp_path)
+    plugin.load_state()
+    db, web = pod("db"), pod("web", "burstable")
+    pg = container("pg", db, 2000)
+    before = plugin.state
+    CPUPlugin.create_container(plugin, db, pg)  # stands in for the resize the job made
+    after = plugin.state
+    CPUPlugin.create_container(plugin, web, container("nginx", web, 500))  # later work
+    later = plugin.state
+    job = Job("UpdateContainer", lambda: None, (db, pg, pb.LinuxResources()), None, True)
+    job.before, job.after, job.answer, job.result = before, after, ERROR, []
+    plugin._update_late(job)
+    assert plugin.state is later
+    [late] = records.of("deadline-late")
+    assert "undone" not in late["MESSAGE"] and "committed" in late["MESSAGE"]
+
+
 def test_the_worker_runs_where_the_loop_is_and_the_loop_keeps_its_cpus(tmp_path):
     """The worker follows the event loop's CPU (a job on the other CPU costs cold caches and
     wake-ups); the loop is held there only while it waits, its own affinity given back."""

@@ -123,18 +123,49 @@ def test_a_container_resized_from_exclusive_to_shared_gets_the_node_memory_nodes
     node, tmp_path
 ):
     """Exclusive CPUs came with their NUMA node's memory (``cpuset.mems`` 0); in the shared
-    pool its memory may come from any node again - the root cpuset's, on the fake v2 tree."""
+    pool its memory may come from every node its pod's cgroup may use again (on the fake v2
+    tree: node 1 only, to tell it from the root's 0-1), or the root's where its cgroup is not
+    known."""
     plugin, _ = node
     fake = FakeV2(tmp_path / "fake-cgroup2")
+    fake.mk("kubepods/poddb", mems_effective="1")
     plugin.liveness.root = str(fake.root)
     assert plugin.liveness.layout() is not None
     db = pod("db")
     ctr = container("postgres", db, 2000)
+    ctr.linux.cgroups_path = "/kubepods/poddb/postgres"
     plugin.create_container(db, ctr)
     [mine] = plugin.update_container(db, ctr, resources(1500))
-    assert cpu_of(mine) == ("0-47", "0-1", None) and not mine.ignore_failure
+    assert cpu_of(mine) == ("0-47", "1", None) and not mine.ignore_failure
     [again] = plugin.update_container(db, ctr, resources(1200))  # shared to shared
     assert cpu_of(again) == ("0-47", "", None)
+    other = container("redis", db, 2000)  # no cgroup path known
+    plugin.create_container(db, other)
+    updates = plugin.update_container(db, other, resources(500))
+    [theirs] = [u for u in updates if u.container_id == other.id]
+    assert cpu_of(theirs) == ("0-47", "0-1", None)
+
+
+def test_removing_an_earlier_sandbox_of_a_pod_leaves_its_newer_sandbox_alone(node):
+    """kubelet recreates a pod's sandbox under the same uid and garbage-collects the old one
+    later: that RemovePodSandbox must not release the CPUs of the new sandbox's container."""
+    plugin, records = node
+    old = pod("db")
+    first = container("pg", old, 2000)
+    plugin.create_container(old, first)
+    plugin.stop_container(old, first)
+    plugin.remove_container(old, first)
+    new = pod("db")
+    new.id = "sb-db-2"  # same uid
+    second = container("pg2", new, 2000)
+    plugin.create_container(new, second)
+    held = plugin.state.assignments[second.id].cpus
+    plugin.remove_pod_sandbox(old)
+    assert plugin.state.assignments[second.id].cpus == held
+    assert not held & plugin.state.shared
+    assert "earlier sandbox" in records[-1]["MESSAGE"]
+    plugin.remove_pod_sandbox(new)  # its own removal does release it
+    assert second.id not in plugin.state.assignments
 
 
 def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
