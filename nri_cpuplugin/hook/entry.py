@@ -24,18 +24,9 @@ from ..ops.audit import Audit
 from ..ops.config import ConfigError, Settings, base_settings, flag_overrides, merge
 from ..storage.store import StateLockTimeout
 from . import oci
+from .failure import EXIT_INPUT, EXIT_OK, EXIT_REFUSED, HookFailure
 from .records import RECORDS_DIR
-from .runner import (
-    DEFAULT_LOCK_TIMEOUT,
-    EXIT_INPUT,
-    EXIT_OK,
-    EXIT_REFUSED,
-    FAULT_ENV,
-    FAULT_STEPS,
-    Hook,
-    HookFailure,
-    Options,
-)
+from .runner import DEFAULT_LOCK_TIMEOUT, FAULT_ENV, FAULT_STEPS, Hook, Options
 from .topology_cache import TOPOLOGY_CACHE
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)

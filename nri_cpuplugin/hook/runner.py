@@ -24,7 +24,6 @@ Nothing sets it in production; the runtime passes hooks exactly the ``env`` of t
 
 from __future__ import annotations
 
-import errno
 import os
 from types import MappingProxyType
 
@@ -42,8 +41,9 @@ from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage import owner
 from ..storage.store import Expected, StateStore
-from . import oci
+from . import containers, oci
 from .apply import apply_targets
+from .failure import EXIT_OK, EXIT_REFUSED, HookFailure
 from .records import Record, Records
 from .topology_cache import cached_topology, remove_stale_writes
 
@@ -68,24 +68,6 @@ FAULT_STEPS = (
 # waiting 10 s means hundreds of hooks are queued; past that, failing with a clear message
 # beats being SIGKILLed by the runtime with none.
 DEFAULT_LOCK_TIMEOUT = 10.0
-
-EXIT_OK, EXIT_REFUSED, EXIT_INPUT = 0, 1, 2
-
-
-class HookFailure(Exception):
-    """Ends the run with a one-line reason on stderr and a non-zero exit."""
-
-    def __init__(
-        self,
-        message: str,
-        code: int = EXIT_REFUSED,
-        action: str = "hook-failed",
-        **fields: object,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.action = action
-        self.fields = fields
 
 
 class Options(Value):
@@ -145,7 +127,7 @@ class Hook:
             )
         layout = self._layout()
         cgroups = cgroupfs.read_proc_cgroup(state.pid, layout, self.options.proc)
-        _check_container_cgroup(cgroups.cpuset, state.id, state.pid)
+        containers.check_container_cgroup(cgroups.cpuset, state.id, state.pid)
         workload = oci.from_oci(state, config, cgroups.cpuset, identity)
         engine = self._engine()
         locality = self._nic_locality(engine.policy, workload, config)
@@ -208,7 +190,7 @@ class Hook:
             try:
                 if placed:
                     targets[workload.container_id] = Record(
-                        workload, cgroups, _shares(fs, cgroups.cpu)
+                        workload, cgroups, containers.shares(fs, cgroups.cpu)
                     )
                     self.records.write(dir_fd, targets[workload.container_id])
                     self._fault("recorded")
@@ -310,13 +292,13 @@ class Hook:
         observed = Outcome(base)
         pods = set()
         if released_id is not None:
-            _check_stopped(fs, released_id, records.get(released_id))
+            containers.check_stopped(fs, released_id, records.get(released_id))
             observed = engine.stop(base, released_id)
             known.discard(released_id)
             held = base.assignments.get(released_id)
             if held is not None:  # its restart may come next: keep what it held for that
                 pods.add(held.pod_uid)
-        live, requested, stale, evicted = self._live(fs, known, records)
+        live, requested, stale, evicted = containers.live(fs, known, records)
         if stale:
             observed = observed.then(
                 engine.ended(observed.state, stale, "its cgroup is gone or empty")
@@ -363,7 +345,7 @@ class Hook:
         changed: dict[str, Record] = {}
         for container in live:
             record = records[container.workload.container_id]
-            shares = _shares(fs, record.cgroups.cpu)
+            shares = containers.shares(fs, record.cgroups.cpu)
             if shares is None or record.shares is None or shares == record.shares:
                 continue
             request = millicores_from_shares(shares)
@@ -377,42 +359,6 @@ class Hook:
                 continue
             changed[workload.container_id] = record.evolve(workload=workload, shares=shares)
         return observed, changed
-
-    def _live(
-        self, fs: CgroupFS, known: set[str], records: Mapping[str, Record]
-    ) -> tuple[list[LiveContainer], dict[str, CPUSet], list[str], set[str]]:
-        """(known containers that still run - their recorded cgroup has processes - with the
-        CPUs they run on; the cpusets their cgroups ask for; the stale rest; the evicted ones).
-        The two sets differ only on cgroup v2, when an ancestor does not offer every CPU asked
-        for.  Evicted (cgroup v1): the kernel emptied the cpuset when its last CPU went offline
-        and moved the processes up; the cpu controller's cgroup still holds them."""
-        live, requested, stale, evicted = [], {}, [], set()
-        for cid in sorted(known):
-            record = records.get(cid)
-            try:
-                if record is not None and fs.populated(record.cgroups.cpuset):
-                    path = record.cgroups.cpuset
-                    running_on = fs.cpus(path)
-                    live.append(LiveContainer(record.workload, running_on))
-                    v2 = fs.layout.version == cgroupfs.V2
-                    requested[cid] = fs.requested(path) if v2 else running_on
-                    continue
-                if record is not None and _evicted(fs, record):
-                    live.append(LiveContainer(record.workload, CPUSet()))
-                    requested[cid] = CPUSet()
-                    evicted.add(cid)
-                    continue
-            except CgroupError as err:
-                if err.errno not in _GONE:
-                    # Out of descriptors, say: it may well run there, and its CPUs must not
-                    # be given to anyone else on a guess.
-                    raise HookFailure(
-                        f"cannot tell whether container {cid} still runs: {err}; nothing was "
-                        "changed"
-                    ) from None
-                # Its cgroup is gone, or its recorded path names none: not running there.
-            stale.append(cid)
-        return live, requested, stale, evicted
 
     # --- hardware awareness -----------------------------------------------------------------
 
@@ -552,77 +498,3 @@ class Hook:
         self.audit.record(
             "skip", f"container {state.id[:12]} left alone: {why}", DEBUG, container_id=state.id
         )
-
-
-def _shares(fs: CgroupFS, cpu_cgroup: str | None) -> int | None:
-    """The cpu.shares of a container's cpu cgroup now; None when it cannot be read."""
-    if fs.layout.version != cgroupfs.V1 or cpu_cgroup is None:
-        # cgroup v2's cpu.weight is kubelet's shares squeezed into 1-10000: it cannot give
-        # the request back exactly, and a wrong guess would move a container.  Not caught.
-        return None
-    try:
-        return int(fs.read("cpu", cpu_cgroup, "cpu.shares"))
-    except (CgroupError, ValueError):
-        return None
-
-
-def _evicted(fs: CgroupFS, record: Record) -> bool:
-    """cgroup v1: the container's cpuset holds no process but its cpu cgroup does - the kernel
-    moved its processes up when the cpuset lost its last CPU (see cpusets.py)."""
-    if fs.layout.version != cgroupfs.V1 or record.cgroups.cpu is None:
-        return False
-    if not fs.exists("cpuset", record.cgroups.cpuset):
-        return False
-    return bool(fs.read("cpu", record.cgroups.cpu, "cgroup.procs"))
-
-
-def _check_stopped(fs: CgroupFS, cid: str, record: Record | None) -> None:
-    """A poststop's container id comes from stdin: release nothing whose recorded cgroup still
-    holds processes (runtimes run poststop after the container's processes are gone and its
-    cgroup removed), so a forged or misdirected run cannot hand a running container's
-    exclusive CPUs to the next one.  Without a record there is nothing to check: the state
-    cannot name such a container as the hook's own."""
-    if record is None:
-        return
-    try:
-        running = fs.populated(record.cgroups.cpuset) or _evicted(fs, record)
-    except CgroupError as err:
-        if err.errno in _GONE:
-            return
-        raise HookFailure(
-            f"poststop for container {cid}: cannot tell whether it still runs: {err}; "
-            "nothing was changed"
-        ) from None
-    if running:
-        raise HookFailure(
-            f"poststop for container {cid}, but its cgroup {record.cgroups.cpuset} still has "
-            "processes: it keeps its CPUs and nothing was changed (runtimes run poststop after "
-            "a container's processes are gone; is the hook entry's stage right?)"
-        )
-
-
-# What a cgroup read fails with when the cgroup is not there (None: a path refused before any
-# system call - a record naming no cgroup).
-_GONE = (None, errno.ENOENT, errno.ENODEV, errno.ENOTDIR)
-
-
-def _check_container_cgroup(path: str, cid: str, pid: int) -> None:
-    """The pid comes from the runtime: make sure we are about to write the container's own
-    cgroup, not the root or a pod-wide one (runtimes name the container's cgroup after its id:
-    ``crio-<id>``, ``<id>``, ``libpod-<id>``, crun's ``crio-<id>.scope/container``)."""
-    parts = cgroupfs.split_path(path)
-    if not parts:
-        raise oci.InputError(f"process {pid} is in the root cgroup, not in a container's cgroup")
-    if not any(_names(part, cid) for part in parts[-2:]):
-        raise oci.InputError(
-            f"the cgroup {path} of process {pid} is not named after container {cid}; refusing "
-            "to write it (is pid the container's init process?)"
-        )
-
-
-def _names(part: str, cid: str) -> bool:
-    """Whether a cgroup path component is named after the container: ``<id>``, or
-    ``<prefix>-<id>``, either with an optional ``.scope`` - never merely containing it (a
-    short id would match every container's cgroup)."""
-    name = part.removesuffix(".scope")
-    return name == cid or name.endswith(f"-{cid}")

@@ -67,13 +67,13 @@ from .containerd import (
 from .cri import CRIClient, CRIError
 from .packages import CONMON, RUNC
 from .runtime_process import RuntimeProcess
+from .tarballs import SHARED
 
 VERSION = "1.36.3"
 NRI_VERSION = "0.11.0"
-# Where the runtime lab keeps CRI-O for these machines: next to the checkout.
-DIST = Path(
-    os.environ.get("NRI_CRIO_DIST", Path(__file__).resolve().parents[3] / "shared/runtimes/cri-o")
-)
+# Where the runtime lab keeps CRI-O for these machines: next to the checkout (or next to the
+# checkout this one was cloned from, tarballs.SHARED).
+DIST = Path(os.environ.get("NRI_CRIO_DIST", SHARED / "cri-o"))
 TARBALL = (
     f"crio-{VERSION}-linux-amd64.tar.gz",
     "a814d58c232e277a0a23dba51f215645cc6b043a1bc35a1d2182ad219986e841",

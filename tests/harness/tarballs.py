@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import subprocess
 import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,9 +22,29 @@ from pathlib import Path
 
 from .debs import LAB, REPO
 
-# The shared directory is a sibling of the checkout on these machines; a copy of the checkout
-# elsewhere (tests/e2e/test_checkout_paths.py) gets the tarballs seeded into its lab instead.
-SHARED = REPO.parent / "shared" / "runtimes"
+
+def _shared_runtimes() -> Path:
+    """The shared directory is a sibling of the checkout on these machines.  A fresh clone
+    elsewhere (CI's ``git clone . "$d/p"``) finds it beside the checkout it was cloned from,
+    when that is a local directory (the tarballs are pinned by SHA256 either way).  A copy
+    of the checkout elsewhere (tests/e2e/test_checkout_paths.py) gets the tarballs seeded
+    into its lab instead."""
+    beside = REPO.parent / "shared" / "runtimes"
+    if beside.is_dir():
+        return beside
+    try:
+        origin = subprocess.run(
+            ["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
+            capture_output=True, text=True, check=False, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        return beside
+    if origin.startswith("/") and (Path(origin).parent / "shared" / "runtimes").is_dir():
+        return Path(origin).parent / "shared" / "runtimes"
+    return beside
+
+
+SHARED = _shared_runtimes()
 
 
 class TarballError(RuntimeError):

@@ -22,8 +22,8 @@ from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.core.workload import from_nri
 from nri_cpuplugin.hardware import cgroupfs
+from nri_cpuplugin.hook import containers, oci, topology_cache
 from nri_cpuplugin.hook import entry as hook
-from nri_cpuplugin.hook import oci, runner, topology_cache
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
@@ -324,10 +324,10 @@ def test_a_known_container_whose_cgroup_cannot_be_read_is_not_taken_for_gone(
 )
 def test_the_container_cgroup_must_be_named_after_the_container(cgroup, cid, named) -> None:
     if named:
-        runner._check_container_cgroup(cgroup, cid, 1234)
+        containers.check_container_cgroup(cgroup, cid, 1234)
     else:
         with pytest.raises(oci.InputError, match="is not named after container"):
-            runner._check_container_cgroup(cgroup, cid, 1234)
+            containers.check_container_cgroup(cgroup, cid, 1234)
 
 
 def test_a_container_that_was_exclusive_gets_its_parent_memory_nodes_back(node: Node) -> None:
