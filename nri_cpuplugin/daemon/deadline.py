@@ -358,13 +358,11 @@ class DeadlinePlugin(CPUPlugin):
         undone: the runtime did not apply it, and the CPUs it freed or took must not be given
         to anyone else meanwhile.  Kubelet retries it."""
         before = job.before
-        if job.answer != ERROR or job.error is not None or before is None or before is self.state:
-            self._replay_late(job)
-            return
-        if job.after is not self.state:
-            # Other work was committed since (its late part was put off behind it: the stub's
-            # guard, daemon/worker.py): going back to ``before`` would undo that too.  The
-            # resize stands; its reply is owed, and kubelet's retry finds it made.
+        # Nothing to undo - or other work was committed since (its late part was put off
+        # behind it: the stub's guard, daemon/worker.py), which going back to ``before`` would
+        # undo too: the resize stands then, its reply is owed, and kubelet's retry finds it made.
+        nothing = before is None or before is self.state or job.after is not self.state
+        if job.answer != ERROR or job.error is not None or nothing:
             self._replay_late(job)
             return
         with self.store.locked():

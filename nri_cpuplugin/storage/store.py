@@ -250,15 +250,12 @@ class StateStore:
         """
         dir_fd = self._locked_dir("commit")
         started = time.perf_counter()
-        self._remove_stale_temps(dir_fd)
+        # Temp files of a writer killed mid-commit; we hold the lock, so none is live.
+        # (".state.json.<hex>" without ".tmp": the name earlier versions used)
+        files.remove_temps(dir_fd, f".{STATE_FILE}.")
         data = encode(state)
         synced = files.write_atomic(self.state_dir, STATE_FILE, data, dir_fd=dir_fd)
         return CommitTiming(time.perf_counter() - started, synced, len(data))
-
-    def _remove_stale_temps(self, dir_fd: int) -> None:
-        # Only a writer killed mid-commit leaves these, and we hold the lock, so none is live.
-        # (".state.json.<hex>" without ".tmp": the name earlier versions used)
-        files.remove_temps(dir_fd, f".{STATE_FILE}.")
 
     # --- reading ---------------------------------------------------------------------------
 
