@@ -111,14 +111,18 @@ class Engine:
         """The cgroup settings of a tracked container under ``state``."""
         held = state.assignments.get(cid)
         if held is not None and held.cpus:
-            quota = UNLIMITED if self.lift_quota else None
-            return Target(cid, held.cpus, self.topology.numa_of(held.cpus), quota, True)
+            return self.exclusive_target(cid, held.cpus)
         if held is not None:
             # Degraded to the shared pool (hotplug took every CPU it held): its CPU limit
             # bounds it again meanwhile.
             quota = held.count * CFS_PERIOD_US if self.lift_quota else None
             return Target(cid, state.shared, None, quota, mems_from_parent=True)
         return Target(cid, state.shared)
+
+    def exclusive_target(self, cid: str, cpus: CPUSet) -> Target:
+        """The cgroup settings of a container that holds ``cpus`` exclusively."""
+        quota = UNLIMITED if self.lift_quota else None
+        return Target(cid, cpus, self.topology.numa_of(cpus), quota, True)
 
     def followers(self, state: NodeState, exclude: str = "") -> tuple[Target, ...]:
         """Targets of every container that runs in the shared pool (shared ones, and degraded
@@ -340,6 +344,40 @@ class Engine:
         ]
         return Outcome(new_state, decision, targets, tuple(events))
 
+    def earmark(
+        self,
+        state: NodeState,
+        pod_uid: str,
+        sandbox_id: str,
+        limit_milli: int,
+        pod_name: str = "",
+        pod_namespace: str = "",
+        unavailable: CPUSet = EMPTY,
+    ) -> Outcome:
+        """A Guaranteed pod's sandbox started: CPUs earmarked for its exclusive containers
+        (policy.earmark), and the shared containers moved off them."""
+        new_state = self.policy.earmark(
+            state, pod_uid, sandbox_id, limit_milli, pod_name, pod_namespace, unavailable
+        )
+        if new_state is state:
+            return Outcome(state)
+        mark = new_state.earmarks[pod_uid]
+        events = [
+            event(
+                "earmark",
+                f"pod {pod_namespace}/{pod_name} started with a CPU limit of {limit_milli}m: "
+                f"CPUs {mark.cpus} earmarked for its exclusive containers",
+                reason="pod started",
+                cpus=mark.cpus,
+                shared_cpus=new_state.shared,
+                pod_uid=pod_uid,
+                pod_name=pod_name,
+                pod_namespace=pod_namespace,
+            ),
+            *self._resized(state, new_state, "pod earmarked"),
+        ]
+        return Outcome(new_state, None, self._moved(state, new_state), tuple(events))
+
     def remove_pod(self, state: NodeState, pod_uid: str) -> Outcome:
         """The pod is gone: what its containers held or are remembered by is dropped."""
         new_state = self.policy.forget_pod(state, pod_uid)
@@ -488,7 +526,10 @@ def reconcile(
         else:
             notes.append(f"dropped {assignment.cpus} of container {cid[:12]} (no longer running)")
     released = {key: r for key, r in state.released.items() if key[0] in pods}
-    state = state.evolve(assignments=kept, released=released, sharing={})
+    earmarks = {uid: e for uid, e in state.earmarks.items() if uid in pods}
+    for uid in state.earmarks.keys() - earmarks.keys():
+        notes.append(f"dropped CPUs {state.earmarks[uid].cpus} earmarked for gone pod {uid}")
+    state = state.evolve(assignments=kept, released=released, sharing={}, earmarks=earmarks)
     state = state.evolve(shared=policy.shared_pool(state.exclusive))
 
     # Adopt first, so that containers already on their own CPUs are not displaced by

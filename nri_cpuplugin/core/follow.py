@@ -52,6 +52,9 @@ def follow_online(
     topo = policy.topology
     online = topo.online
     usable = policy.assignable | topo.isolated
+    # Earmarks are a head start, not a promise: the CPUs follow the containers that hold them,
+    # and an earmarked pod's containers are placed like any other's meanwhile.
+    state = state.evolve(earmarks={})
     held = dict(state.assignments)
     changes: list[HotplugChange] = []
     newly_lost: dict[str, CPUSet] = {}

@@ -34,7 +34,7 @@ from . import annotation
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import EMPTY, CPUSet
 from .errors import PolicyError
-from .state import Assignment, NodeState, Released
+from .state import Assignment, Earmark, NodeState, Released
 from .topology import Topology
 from .workload import GUARANTEED, Workload
 
@@ -170,7 +170,11 @@ class StaticPolicy:
         return None
 
     def normalized(self, state: NodeState) -> NodeState:
-        """The same assignments with the shared pool recomputed for the current options."""
+        """The same assignments with the shared pool recomputed for the current options (and
+        without earmarks on CPUs these options no longer let containers hold)."""
+        earmarks = {uid: e for uid, e in state.earmarks.items() if e.cpus <= self.assignable}
+        if len(earmarks) != len(state.earmarks):
+            state = state.evolve(earmarks=earmarks)
         return state.evolve(shared=self.shared_pool(state.exclusive))
 
     # --- decisions --------------------------------------------------------------------------
@@ -199,7 +203,10 @@ class StaticPolicy:
         state = _track_cgroup(state, workload)
         if count is None:
             state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
-            decision = Decision(workload.container_id, False, shared, CPUSet(), before, shared, why)
+            state = self._claim(state, workload)
+            decision = Decision(
+                workload.container_id, False, state.shared, CPUSet(), before, state.shared, why
+            )
             return decision, state
         cpus, how = self._choose(state, workload, count, isolated, nic, unavailable)
         if not self.shared_pool(state.exclusive | cpus):
@@ -208,11 +215,75 @@ class StaticPolicy:
                 f"leave the shared pool empty (shared now: {shared}); lower the request or "
                 "reserve fewer CPUs"
             )
-        new_state = self._assign(state, workload, cpus, nic)
+        new_state = self._claim(self._assign(state, workload, cpus, nic), workload)
         decision = self._exclusive(
             workload.container_id, cpus, before, new_state.shared, f"{why}; {how}"
         )
         return decision, new_state
+
+    # --- earmarks ----------------------------------------------------------------------------
+
+    def earmark(
+        self,
+        state: NodeState,
+        pod_uid: str,
+        sandbox_id: str,
+        limit_milli: int,
+        pod_name: str = "",
+        pod_namespace: str = "",
+        unavailable: CPUSet = EMPTY,
+    ) -> NodeState:
+        """A Guaranteed pod's sandbox started with a CPU limit of ``limit_milli`` (the sum
+        over its containers): set aside as many whole free CPUs as its containers could ask
+        for between them, chosen by topology as one request, so that creating its exclusive
+        containers takes them without moving any other container.  Fewer when fewer are free
+        (the shared pool keeps a CPU); none for a pod already known (a recreated sandbox: its
+        containers' restarts go by what they held) or with less than a whole CPU."""
+        count = limit_milli // 1000
+        known = pod_uid in state.earmarks or any(
+            a.pod_uid == pod_uid for a in state.assignments.values()
+        )
+        if count < 1 or not pod_uid or known:
+            return state
+        free = self.free_exclusive(state) - unavailable
+        count = min(count, len(self.shared_pool(state.exclusive)) - 1)
+        while count > 0:
+            try:
+                cpus = self.allocator.allocate(free, count)
+            except AllocationError:
+                count -= 1
+                continue
+            mark = Earmark(
+                cpus, sandbox_id, limit_milli, pod_name=pod_name, pod_namespace=pod_namespace
+            )
+            new_state = state.evolve(earmarks={**state.earmarks, pod_uid: mark})
+            return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
+        return state
+
+    def _claim(self, state: NodeState, workload: Workload) -> NodeState:
+        """A container of an earmarked pod was created: its CPU limit is claimed, and the
+        earmark keeps no more whole CPUs than the pod's containers could still ask for (the
+        rest returns to the shared pool).  Init containers claim nothing: kubelet's pod limit
+        is the larger of theirs and the app containers' sum, not the total; nor does a
+        restart (a name that claimed already)."""
+        mark = state.earmarks.get(workload.pod_uid)
+        name = workload.container_name
+        if mark is None or workload.kind == "init" or name in mark.claimants:
+            return state
+        used = workload.cpu_limit_milli or workload.cpu_request_milli
+        claimed = mark.claimed_milli + used
+        keep = max(0, (mark.limit_milli - claimed) // 1000)
+        earmarks = dict(state.earmarks)
+        if keep:
+            # The lowest ids stay: the allocator chose them as one compact set.
+            cpus = CPUSet(sorted(mark.cpus)[:keep])
+            earmarks[workload.pod_uid] = mark.evolve(
+                cpus=cpus, claimed_milli=claimed, claimants=(*mark.claimants, name)
+            )
+        else:
+            del earmarks[workload.pod_uid]
+        new_state = state.evolve(earmarks=earmarks)
+        return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 
     def _assign(
         self, state: NodeState, workload: Workload, cpus: CPUSet, nic: NICPreference | None = None
@@ -233,6 +304,14 @@ class StaticPolicy:
         new_state = state.evolve(
             assignments={**state.assignments, workload.container_id: assignment}, sharing=sharing
         )
+        mark = state.earmarks.get(workload.pod_uid)
+        if mark is not None and mark.cpus & cpus:
+            earmarks = dict(state.earmarks)
+            if mark.cpus - cpus:
+                earmarks[workload.pod_uid] = mark.evolve(cpus=mark.cpus - cpus)
+            else:
+                del earmarks[workload.pod_uid]
+            new_state = new_state.evolve(earmarks=earmarks)
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 
     def _supersede(self, state: NodeState, workload: Workload) -> NodeState:
@@ -301,6 +380,9 @@ class StaticPolicy:
         unavailable: CPUSet = EMPTY,
     ) -> tuple[CPUSet, str]:
         free = self.free_exclusive(state, isolated) - unavailable
+        mark = state.earmarks.get(workload.pod_uid)
+        marked = mark.cpus - unavailable if mark is not None and not isolated else CPUSet()
+        free |= marked  # the pod's own
         previous = state.released.get((workload.pod_uid, workload.container_name))
         reusable = free & CPUSet().union(
             *(
@@ -313,6 +395,8 @@ class StaticPolicy:
         options: list[tuple[bool, CPUSet, str]] = []
         if previous is not None and len(previous.cpus) == count:
             options.append((True, previous.cpus, "restarted container got its previous CPUs back"))
+        if len(marked) >= count:
+            options.append((False, marked, "earmarked for its pod when the pod started"))
         if workload.kind != "init":
             options.append((False, reusable, "reused finished init containers' CPUs"))
         options.append((False, free, "allocated by topology"))
@@ -390,8 +474,13 @@ class StaticPolicy:
         sharing = {k: v for k, v in state.sharing.items() if v != pod_uid}
         gone = (set(state.sharing) - set(sharing)) | (set(state.assignments) - set(assignments))
         cgroups = {k: v for k, v in state.cgroups.items() if k not in gone}
+        earmarks = {k: v for k, v in state.earmarks.items() if k != pod_uid}
         new_state = state.evolve(
-            assignments=assignments, released=released, sharing=sharing, cgroups=cgroups
+            assignments=assignments,
+            released=released,
+            sharing=sharing,
+            cgroups=cgroups,
+            earmarks=earmarks,
         )
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
 

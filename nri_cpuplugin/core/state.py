@@ -87,6 +87,25 @@ class Released(Value):
     kind: str
 
 
+class Earmark(Value):
+    """CPUs set aside for a Guaranteed pod's exclusive containers when its sandbox started, so
+    that creating them moves no other container (docs/architecture.md, "Earmarks").
+
+    ``limit_milli`` is the pod's CPU limit as kubelet sent it (the sum over its containers) and
+    ``claimed_milli`` what its containers created since have taken of it (``claimants``, by
+    name: a restart claims nothing more): the earmark never keeps more whole CPUs than the
+    difference, so what a pod cannot use goes back to the shared pool as its containers are
+    created."""
+
+    cpus: CPUSet
+    sandbox_id: str
+    limit_milli: int
+    claimed_milli: int = 0
+    claimants: tuple[str, ...] = ()
+    pod_name: str = ""
+    pod_namespace: str = ""
+
+
 _EMPTY: Mapping = MappingProxyType({})
 
 
@@ -110,18 +129,30 @@ class NodeState(Value):
     # Where tracked containers' cgroups are (id -> the runtime's cgroupsPath), so that their
     # liveness can be checked when the runtime cannot be asked (see liveness.py).
     cgroups: Mapping[str, str] = _EMPTY
+    # CPUs earmarked for pods (pod uid -> Earmark): out of the shared pool, not yet any
+    # container's.
+    earmarks: Mapping[str, Earmark] = _EMPTY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignments", _frozen(self.assignments))
         object.__setattr__(self, "released", _frozen(self.released))
         object.__setattr__(self, "sharing", _frozen(self.sharing))
         object.__setattr__(self, "cgroups", _frozen(self.cgroups))
+        object.__setattr__(self, "earmarks", _frozen(self.earmarks))
+
+    @cached_property
+    def assigned(self) -> CPUSet:
+        """The CPUs containers hold exclusively (computed once per state value)."""
+        # Assignment sets are CPUSets already: skip re-validating every id.
+        return CPUSet._trusted(frozenset().union(*(a.cpus for a in self.assignments.values())))
 
     @cached_property
     def exclusive(self) -> CPUSet:
-        """All exclusively assigned CPUs (computed once per state value)."""
-        # Assignment sets are CPUSets already: skip re-validating every id.
-        return CPUSet._trusted(frozenset().union(*(a.cpus for a in self.assignments.values())))
+        """Every CPU out of the shared pool for exclusive use: assigned or earmarked."""
+        if not self.earmarks:
+            return self.assigned
+        marked = frozenset().union(*(e.cpus for e in self.earmarks.values()))
+        return CPUSet._trusted(frozenset(self.assigned) | marked)
 
 
 # --- document form ------------------------------------------------------------------------
@@ -170,6 +201,19 @@ def to_document(state: NodeState) -> dict[str, Any]:
         "sharing": dict(sorted(state.sharing.items())),
         "cgroups": dict(sorted(state.cgroups.items())),
     }
+    if state.earmarks:  # only when set: older documents keep their bytes and checksum
+        body["earmarks"] = {
+            uid: {
+                "cpus": str(e.cpus),
+                "sandbox_id": e.sandbox_id,
+                "limit_milli": e.limit_milli,
+                "claimed_milli": e.claimed_milli,
+                "claimants": list(e.claimants),
+                "pod_name": e.pod_name,
+                "pod_namespace": e.pod_namespace,
+            }
+            for uid, e in sorted(state.earmarks.items())
+        }
     body["checksum"] = checksum(body)
     return body
 
@@ -209,6 +253,7 @@ def decode(data: bytes) -> NodeState:
             released=dict(_released(entry) for entry in shape.array(doc, "released")),
             sharing=_strings(doc, "sharing"),
             cgroups=_strings(doc, "cgroups"),
+            earmarks={uid: _earmark(uid, e) for uid, e in _optional_map(doc, "earmarks").items()},
         )
     except (ValueError, TypeError, KeyError) as err:
         raise StateFormatError(f"malformed field: {err}") from None
@@ -240,6 +285,30 @@ def _assignment(cid: str, entry: Any) -> Assignment:
         initial=CPUSet.parse(shape.string(entry, "initial", optional=True) or ""),
         added=tuple(_cpu_ids(entry.get("added", []), f"assignment {cid!r} added")),
     )
+
+
+def _optional_map(doc: Mapping, key: str) -> dict:
+    return shape.mapping(doc, key) if key in doc else {}
+
+
+def _earmark(uid: str, entry: Any) -> Earmark:
+    entry = shape.obj(entry, f"earmark of pod {uid!r}")
+    return Earmark(
+        cpus=CPUSet.parse(shape.string(entry, "cpus")),
+        sandbox_id=shape.string(entry, "sandbox_id"),
+        limit_milli=_milli(entry, "limit_milli", uid),
+        claimed_milli=_milli(entry, "claimed_milli", uid),
+        claimants=tuple(shape.strings(entry.get("claimants", []), f"earmark of pod {uid!r}")),
+        pod_name=shape.string(entry, "pod_name"),
+        pod_namespace=shape.string(entry, "pod_namespace"),
+    )
+
+
+def _milli(entry: Mapping, key: str, uid: str) -> int:
+    value = entry.get(key)
+    if type(value) is not int or value < 0:
+        raise TypeError(f"earmark of pod {uid!r}: {key} must be a non-negative integer")
+    return value
 
 
 def _cpu_ids(value: Any, what: str) -> list[int]:
@@ -276,11 +345,19 @@ def _check_consistent(state: NodeState) -> None:
     for cpu, cid in owed.items():
         if cpu in seen:
             raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    for uid, earmark in state.earmarks.items():
+        if not earmark.cpus:
+            raise StateFormatError(f"the earmark of pod {uid!r} has no CPUs")
+        for cpu in earmark.cpus:
+            if cpu in seen or cpu in owed:
+                holder = seen.get(cpu) or owed[cpu]
+                raise StateFormatError(f"CPU {cpu} is earmarked for pod {uid!r} and {holder!r}")
+            seen[cpu] = f"pod {uid}"
     both = set(state.sharing) & set(state.assignments)
     if both:
         raise StateFormatError(f"containers {sorted(both)} are both shared and exclusive")
     overlap = state.shared & CPUSet(seen)
     if overlap:
-        raise StateFormatError(f"CPUs {overlap} are both shared and exclusively assigned")
+        raise StateFormatError(f"CPUs {overlap} are both shared and held or earmarked")
     if not state.shared:
         raise StateFormatError("the shared pool is empty")

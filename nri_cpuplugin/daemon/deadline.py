@@ -64,6 +64,7 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage.store import CommitTiming, StateStore
+from . import earmarks
 from .plugin import CPUPlugin
 from .targets import fill_cpu
 from .worker import (
@@ -121,6 +122,8 @@ class DeadlinePlugin(CPUPlugin):
 
     def __init__(self, settings: Settings, audit: Audit, flags: Mapping[str, Any] = ()) -> None:
         self.worker = Worker()
+        # While a creation answered from its pod's earmark is decided: (its id, that answer).
+        self._early: tuple[str, pb.ContainerAdjustment] | None = None
         super().__init__(settings, audit, flags)
 
     def _build(self, settings: Settings) -> None:
@@ -237,6 +240,13 @@ class DeadlinePlugin(CPUPlugin):
             _subject(pod, container), container.id,
         )  # fmt: skip
 
+    async def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
+        self._read_nics_ahead(pod)  # it only starts a read: on the event loop
+        if self._earmark_limit(pod):
+            await self._answered(
+                "RunPodSandbox", self._earmark, (pod,), None, f"pod {pod.namespace}/{pod.name}"
+            )
+
     async def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         await self._answered(
             "RemovePodSandbox", super().remove_pod_sandbox, (pod,), None,
@@ -273,7 +283,27 @@ class DeadlinePlugin(CPUPlugin):
         job = self.worker.current
         if job is not None:
             job.before = self.state
-        return super().create_container(pod, container)
+        early = self._earmarked(pod, container) if job is not None else None
+        if early is None:
+            return super().create_container(pod, container)
+        # Answered now; the decision, made next as for any creation, normally says the same.
+        self.worker.deliver((early, []))
+        self._early = (container.id, early)
+        try:
+            return super().create_container(pod, container)
+        finally:
+            self._early = None
+
+    def _earmarked(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> pb.ContainerAdjustment | None:
+        if self._owed or not self.runtime_lists:
+            # The reply must carry the owed updates; without the runtime's lists at each
+            # connection the decision must be durable before the answer.
+            return None
+        return earmarks.early_answer(
+            self.engine, self.state, pod, container, self.returned | self.pinned
+        )
 
     def _update_job(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
@@ -289,7 +319,28 @@ class DeadlinePlugin(CPUPlugin):
 
     def _answer(self, reply: object) -> bool:
         job = self.worker.job_here()
-        return job is None or self.worker.deliver(reply) or job.answer != ERROR
+        if job is None:
+            return True
+        if self._early is None:
+            return self.worker.deliver(reply) or job.answer != ERROR
+        cid, early = self._early
+        adjust, updates = reply  # type: ignore[misc]
+        if adjust.linux.resources.cpu != early.linux.resources.cpu or updates:
+            # Decided otherwise (NIC locality, say): its StartContainer finds its cgroup on
+            # the earmarked CPUs and writes what was decided, before its first instruction;
+            # the runtime's stored specs get it with the next reply that can carry updates.
+            self._owed |= {cid, *(u.container_id for u in updates)}
+            self.audit.record(
+                "earmark",
+                f"container {cid[:12]} was answered with the CPUs earmarked for its pod "
+                f"({early.linux.resources.cpu.cpus}), but decided on "
+                f"{adjust.linux.resources.cpu.cpus}: set right when it starts",
+                audit_mod.NOTICE,
+                container_id=cid,
+                cpus=adjust.linux.resources.cpu.cpus,
+                reason="decided otherwise",
+            )
+        return True
 
     def _commit(self, outcome: Outcome, durable: bool = False) -> Outcome:
         if durable and outcome.state is not self.state:

@@ -54,6 +54,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import Metrics, NoMetrics
 from ..storage.store import StateStore
+from . import earmarks
 from .hotplug_events import HotplugEvents
 from .persistence import StateKeeping
 from .pod_nics import Listing, PodNICs
@@ -200,9 +201,10 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
             nri_version=nri,
         )
         self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
-        if self.settings.nic_read_ahead or self.stub is None:
+        if self.settings.nic_read_ahead or self.settings.earmark_pods or self.stub is None:
             return None  # every handler's event
-        # Without the read-ahead, RunPodSandbox would only cost each pod a round trip.
+        # Without the read-ahead and earmarks, RunPodSandbox would only cost each pod a round
+        # trip.
         return self.stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
 
     def _apply_config(self, config: str) -> None:
@@ -458,10 +460,36 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         self._push(outcome.targets, "container removed")
 
     def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
-        """A pod started, its network set up: if it is Guaranteed (it may hold exclusive
-        containers: which ones, its creations say), its interfaces are read now, in the
-        background, for their NIC locality (daemon/pod_nics.py).  Nothing else: answered at
-        once, on the event loop."""
+        """A pod started, its network set up: if it is Guaranteed, CPUs are earmarked for its
+        exclusive containers (``_earmark``) and its interfaces are read for their NIC
+        locality."""
+        self._read_nics_ahead(pod)
+        if self._earmark_limit(pod):
+            self._earmark(pod)
+
+    def _earmark_limit(self, pod: pb.PodSandbox) -> int:
+        return earmarks.pod_cpu_limit(pod) if self.settings.earmark_pods else 0
+
+    def _earmark(self, pod: pb.PodSandbox) -> None:
+        """CPUs set aside for the pod's exclusive containers, and the shared containers moved
+        off them now (written directly, or owed to the next reply that can carry updates):
+        the creation of an exclusive container that takes them moves nobody, whatever the
+        number of containers on the node (docs/architecture.md, "Earmarks")."""
+        limit = self._earmark_limit(pod)
+        with self.store.locked():
+            decided = self.engine.earmark(
+                self.state, pod.uid, pod.id, limit, pod.name, pod.namespace, self.pinned
+            )
+            outcome = self._commit(decided)
+        if outcome.events:
+            self._latest_sandbox[pod.uid] = pod.id
+        self.audit.emit(outcome.events)
+        self._push(outcome.targets, "pod earmarked")
+
+    def _read_nics_ahead(self, pod: pb.PodSandbox) -> None:
+        """A Guaranteed pod (it may hold exclusive containers: which ones, its creations say)
+        has its interfaces read now, in the background, for their NIC locality
+        (daemon/pod_nics.py).  On the event loop: it only starts the read."""
         netns = nic.netns_path(pod.linux.namespaces)
         parent = pod.linux.cgroup_parent
         if not self.settings.nic_read_ahead or netns is None or not parent:

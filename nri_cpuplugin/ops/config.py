@@ -61,6 +61,8 @@ class Settings(Value):
     metrics_listen: str | None = None
     # Read Guaranteed pods' interfaces when their sandbox starts (daemon/pod_nics.py).
     nic_read_ahead: bool = True
+    # Earmark CPUs for a Guaranteed pod's exclusive containers when its sandbox starts.
+    earmark_pods: bool = True
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -80,6 +82,7 @@ _TOP = {
     "sysfs": "sysfs",
     "log_level": "log_level",
     "nic_read_ahead": "nic_read_ahead",
+    "earmark_pods": "earmark_pods",
 }
 _TABLES = {
     "nri": {
@@ -248,7 +251,7 @@ def _check(field: str, value: Any, where: str) -> Any:
         return tuple(value)
     if field == "cfs_quota":
         return _choice(value, CFS_QUOTA_MODES, where)
-    if field == "nic_read_ahead":
+    if field in ("nic_read_ahead", "earmark_pods"):
         if type(value) is not bool:
             raise ConfigError(f"{where} = {value!r}: expected true or false")
         return value

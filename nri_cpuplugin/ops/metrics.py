@@ -68,6 +68,11 @@ class Metrics:
             f"{PREFIX}_exclusive_cpu_allocation_count", "CPUs assigned exclusively.",
             registry=registry,
         )  # fmt: skip
+        self.earmarked = Gauge(
+            f"{PREFIX}_earmarked_cpu_count",
+            "CPUs set aside for starting Guaranteed pods, not yet any container's.",
+            registry=registry,
+        )
         self.per_numa = Gauge(
             f"{PREFIX}_allocation_per_numa", "Exclusively assigned CPUs per NUMA node.",
             ["numa_node"], registry=registry,
@@ -100,8 +105,9 @@ class Metrics:
 
     def observe_state(self, state: NodeState, topology: Topology) -> None:
         self.shared_pool.set(len(state.shared) * 1000)
-        exclusive = state.exclusive
+        exclusive = state.assigned
         self.exclusive.set(len(exclusive))
+        self.earmarked.set(len(state.exclusive) - len(exclusive))
         for node, cpus in topology.numa_nodes.items():
             self.per_numa.labels(numa_node=str(node)).set(len(cpus & exclusive))
 

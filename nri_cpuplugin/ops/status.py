@@ -63,8 +63,18 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
         reserved=str(state.reserved),
         shared=str(state.shared),
         shared_pool_millicores=len(state.shared) * 1000,
-        exclusive=str(state.exclusive),
-        exclusive_cpu_count=len(state.exclusive),
+        exclusive=str(state.assigned),
+        exclusive_cpu_count=len(state.assigned),
+        earmarked={
+            uid: {
+                "cpus": str(e.cpus),
+                "pod": f"{e.pod_namespace}/{e.pod_name}",
+                "sandbox_id": e.sandbox_id,
+                "cpu_limit_milli": e.limit_milli,
+                "claimed_milli": e.claimed_milli,
+            }
+            for uid, e in sorted(state.earmarks.items())
+        },
         shared_containers=len(state.sharing),
         assignments=assignments,
         degraded=[a for a in assignments if a["degraded"]],
@@ -76,7 +86,7 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
             str(node): {
                 "cpus": str(cpus),
                 "free_exclusive": str(free & cpus),
-                "allocated": len(state.exclusive & cpus),
+                "allocated": len(state.assigned & cpus),
             }
             for node, cpus in topology.numa_nodes.items()
         }
@@ -125,6 +135,8 @@ def render_text(report: dict[str, Any]) -> str:
         f"shared      {report['shared'] or '-'}  ({report['shared_containers']} containers)",
         f"exclusive   {report['exclusive'] or '-'}",
     ]
+    for mark in report.get("earmarked", {}).values():
+        lines.append(f"earmarked   {mark['cpus']}  for pod {mark['pod']} (starting)")
     if report.get("isolated"):
         lines.append(f"isolated    {report['isolated']}")
     for node, info in report.get("numa", {}).items():

@@ -28,10 +28,13 @@ from .stats import summary
 
 
 def bench_dense_create(version: str, running: int, rounds: int) -> dict:
-    """CreateContainer, and CreateContainer + StartContainer, of a Guaranteed 1-CPU container
-    beside ``running`` shared containers, and its StopContainer (which gives the CPU back to
-    them): with the plugin, a no-op plugin and no plugin, in turn (who goes first rotates)."""
+    """A Guaranteed pod with a 1-CPU container started beside ``running`` shared containers,
+    as kubelet starts it (RunPodSandbox with the pod's resources, CreateContainer,
+    StartContainer), its container stopped (which gives the CPU back to them) and created
+    again in the same pod (a restart), then the pod removed: with the plugin, a no-op plugin
+    and no plugin, in turn (who goes first rotates)."""
     sides = ("plugin", "noop", "none")
+    timed = ("sandbox", "create", "start", "stop", "recreate")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         runtimes = {side: stack.enter_context(Containerd(version, debug=False)) for side in sides}
         daemon = Daemon(runtimes["plugin"].nri_socket, Path(tmp) / "state").start()
@@ -46,41 +49,60 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
                 if side == "plugin":
                     shared_pids.append(cri.inspect(pod[f"s{i}"]).pid)
                     shared_ids.append(pod[f"s{i}"])
-        pods = {
-            side: runtime.cri().run_pod(PodSpec("pinned", qos="guaranteed"))
-            for side, runtime in runtimes.items()
+        times: dict[str, dict[str, list[float]]] = {
+            what: {side: [] for side in sides} for what in timed
         }
-        create: dict[str, list[float]] = {side: [] for side in sides}
-        start: dict[str, list[float]] = {side: [] for side in sides}
-        stop: dict[str, list[float]] = {side: [] for side in sides}
         window_open = 0
         for i in range(rounds + 2):
-            for side in sides[i % 3 :] + sides[: i % 3]:
+            order = sides[i % 3 :] + sides[: i % 3]
+            spec = ContainerSpec.guaranteed(f"g{i}", 1)
+            pods = {}
+            for side in order:
                 cri = runtimes[side].cri()
-                began = time.perf_counter()
-                cid = cri.create_container(pods[side], ContainerSpec.guaranteed(f"g{i}", 1))
-                created = time.perf_counter()
+                marks = [time.perf_counter()]
+                pods[side] = pod = cri.run_pod(PodSpec.for_containers(f"pinned{i}", [spec]))
+                marks.append(time.perf_counter())
+                cid = cri.create_container(pod, spec)
+                marks.append(time.perf_counter())
                 if side == "plugin":  # the window: every shared container off CPU 1 already
                     window_open += sum(host.cpus_allowed_list(p) != "0" for p in shared_pids)
                 cri.start(cid)
-                started = time.perf_counter()
+                marks.append(time.perf_counter())
                 cri.stop(cid, timeout=0)
-                stopped = time.perf_counter()
+                marks.append(time.perf_counter())
                 cri.remove(cid)
                 if i >= 2:  # the first rounds warm caches on both sides
-                    create[side].append(created - began)
-                    start[side].append(started - began)
-                    stop[side].append(stopped - started)
-        converge = _convergence(runtimes["plugin"], daemon, pods["plugin"], shared_ids)
+                    times["sandbox"][side].append(marks[1] - marks[0])
+                    times["create"][side].append(marks[2] - marks[1])
+                    times["start"][side].append(marks[3] - marks[1])
+                    times["stop"][side].append(marks[4] - marks[3])
+            # The restart, once every side stopped its container (kubelet restarts after a
+            # back-off; here the others' turns are the pause).
+            for side in order:
+                cri = runtimes[side].cri()
+                began = time.perf_counter()
+                cid = cri.create_container(pods[side], spec)
+                if i >= 2:
+                    times["recreate"][side].append(time.perf_counter() - began)
+                cri.start(cid)
+                cri.stop(cid, timeout=0)
+                cri.remove(cid)
+                cri.stop_pod(pods[side])
+                cri.remove_pod(pods[side])
+        converge = _convergence(runtimes["plugin"], daemon, shared_ids)
+    ratios = {what: _ratio(times[what]["plugin"], times[what]["none"]) for what in timed}
     return {
         "version": version,
         "running": running,
-        "create": {side: summary(v) for side, v in create.items()},
-        "create_start": {side: summary(v) for side, v in start.items()},
-        "create_ratio": _ratio(create["plugin"], create["none"]),
-        "create_start_ratio": _ratio(start["plugin"], start["none"]),
-        "stop_ratio": _ratio(stop["plugin"], stop["none"]),
-        "noop_create_ratio": _ratio(create["noop"], create["none"]),
+        "create": {side: summary(v) for side, v in times["create"].items()},
+        "create_start": {side: summary(v) for side, v in times["start"].items()},
+        "recreate": {side: summary(v) for side, v in times["recreate"].items()},
+        "create_ratio": ratios["create"],
+        "create_start_ratio": ratios["start"],
+        "stop_ratio": ratios["stop"],
+        "sandbox_ratio": ratios["sandbox"],
+        "recreate_ratio": ratios["recreate"],
+        "noop_create_ratio": _ratio(times["create"]["noop"], times["create"]["none"]),
         "window_open": window_open,
         "converge_s": converge,
     }
@@ -142,12 +164,14 @@ def cgroup_write_floor(count: int, rounds: int = 31) -> dict:
                 directory.rmdir()  # still busy after a second: say why
 
 
-def _convergence(runtime: Containerd, daemon: Daemon, pod: str, shared: list[str]) -> float:
+def _convergence(runtime: Containerd, daemon: Daemon, shared: list[str]) -> float:
     """Seconds from a daemon restart until the runtime's stored spec of every shared container
     moved by direct writes (an exclusive container runs) names the shared pool again: the
     Synchronize reply carries those containers, one `runc update` each."""
     cri = runtime.cri()
-    cid = cri.create_container(pod, ContainerSpec.guaranteed("converge", 1))
+    spec = ContainerSpec.guaranteed("converge", 1)
+    pod = cri.run_pod(PodSpec.for_containers("converge", [spec]))
+    cid = cri.create_container(pod, spec)
     cri.start(cid)
     daemon.stop()
     began = time.perf_counter()
@@ -180,11 +204,13 @@ def plot_density(results: list[dict], out: Path) -> None:
     for version in versions:
         rows = sorted((r for r in results if r["version"] == version), key=lambda r: r["running"])
         xs = [r["running"] for r in rows]
-        for side, dash in (("plugin", "-"), ("none", "--")):
-            ys = [r["create"][side]["median_ms"] for r in rows]
-            label = (
-                f"containerd {version}, {'with nri-cpuplugin' if side == 'plugin' else 'no plugin'}"
-            )
+        for what, side, dash, how in (
+            ("create", "plugin", "-", "with nri-cpuplugin, new pod"),
+            ("recreate", "plugin", ":", "with nri-cpuplugin, restart in its pod"),
+            ("create", "none", "--", "no plugin"),
+        ):
+            ys = [r[what][side]["median_ms"] for r in rows]
+            label = f"containerd {version}, {how}"
             ax.plot(xs, ys, color=colors[version], linestyle=dash, marker="o", label=label)
     ax.set_xlabel("running shared containers")
     ax.set_ylabel("CreateContainer of an exclusive container, median (ms)")

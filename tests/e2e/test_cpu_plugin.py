@@ -321,3 +321,39 @@ def test_lagging_specs_converge_at_the_next_synchronize(containerd, cri, daemon)
     pids = [cri.inspect(cid).pid for cid in [*before, after]]
     assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 5
     check_agreement(daemon, cri)
+
+
+def test_an_earmarked_pod_moves_the_shared_containers_when_it_starts(containerd, cri, daemon):
+    """A Guaranteed pod whose sandbox carries its CPU limit (kubelet sends it) has CPU 1
+    earmarked when it starts: the shared containers are off it once RunPodSandbox returns,
+    and the creation of its exclusive container moves nobody.  A pod whose containers cannot
+    use a whole CPU (1.5 CPUs in one container) gives its earmark back at the creation."""
+    shared = [cri.run(f"s{i}", [burstable(f"w{i}")])[f"w{i}"] for i in range(8)]
+    pids = [cri.inspect(cid).pid for cid in shared]
+    spec = guaranteed("pinned", command=FIRST_LINE)
+    pod_id = cri.run_pod(PodSpec.for_containers("exclusive", [spec]))
+    assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 8  # moved at pod start
+    [earmark] = daemon.records("earmark")
+    assert earmark["CPUS"] == "1" and earmark["POD_NAME"] == "exclusive"
+    cid = cri.create_container(pod_id, spec)
+    assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 8
+    cri.start(cid)
+    assert cri.wait_logs(cid, 1) == ["Cpus_allowed_list:\t1"]
+    [allocate] = daemon.records("allocate")
+    assert allocate["CPUS"] == "1" and "earmarked for its pod" in allocate["REASON"]
+    check_agreement(daemon, cri)
+    cri.stop(cid)
+    cri.remove(cid)
+    cri.stop_pod(pod_id)
+    cri.remove_pod(pod_id)
+    assert [host.cpus_allowed_list(pid) for pid in pids] == [ALL] * 8
+
+    fractional = ContainerSpec.guaranteed("half", 1.5)
+    pod_id = cri.run_pod(PodSpec.for_containers("fractional", [fractional]))
+    assert [host.cpus_allowed_list(pid) for pid in pids] == ["0"] * 8
+    cid = cri.create_container(pod_id, fractional)
+    cri.start(cid)
+    assert [host.cpus_allowed_list(pid) for pid in pids] == [ALL] * 8  # given back
+    assert host.cpus_allowed_list(cri.inspect(cid).pid) == ALL
+    assert "earmarks" not in settled_state(daemon.state_dir)
+    check_agreement(daemon, cri)

@@ -204,10 +204,11 @@ def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
 
 
 def test_without_the_read_ahead_the_plugin_neither_reads_ahead_nor_hears_pods_start(tmp_path):
+    """Neither reading ahead nor earmarking CPUs for pods: RunPodSandbox is not subscribed."""
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(
         sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2,
-        nic_read_ahead=False,
+        nic_read_ahead=False, earmark_pods=False,
     )  # fmt: skip
     plugin = CPUPlugin(settings, Audit(lambda record: None))
     plugin.stub = Stub(plugin, "cpuplugin", "50")

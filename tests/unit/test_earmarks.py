@@ -1,0 +1,276 @@
+"""Earmarks: CPUs set aside for a Guaranteed pod when its sandbox starts (policy.earmark), taken
+by its exclusive containers without moving anyone, trimmed to what its containers can still ask
+for, dropped with the pod; in the state file; and in the daemon, where a creation that takes a
+whole earmark is answered before it is decided."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nri_messages import container, pod
+from test_deadline import make, on_disk
+from test_policy import wl
+from topologies import offline, topology
+
+from nri_cpuplugin.core import state as state_mod
+from nri_cpuplugin.core.annotation import EXCLUSIVE
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.engine import Engine, LiveContainer
+from nri_cpuplugin.core.policy import StaticPolicy
+from nri_cpuplugin.core.state import StateFormatError
+from nri_cpuplugin.daemon import earmarks
+from nri_cpuplugin.nri.pb import nri_pb2 as pb
+from nri_cpuplugin.ops import status
+
+P = CPUSet.parse
+
+
+def policy_on(name: str, reserved: int = 2) -> StaticPolicy:
+    return StaticPolicy.from_config(topology(name), reserved_count=reserved)
+
+
+@pytest.mark.parametrize(
+    ("machine", "limit", "earmarked"),
+    [
+        ("xeon-e5-2680v3-2s", 2000, "1,25"),  # one core, both threads
+        ("xeon-e5-2680v3-2s", 2500, "1,25"),  # whole CPUs only
+        ("xeon-e5-2680v3-2s", 4000, "1-2,25-26"),
+        ("single-socket-no-smt", 3000, "2-4"),
+        ("quad-socket", 1000, "1"),
+        ("xeon-e5-2680v3-2s", 999, ""),  # less than a CPU: nothing
+    ],
+)
+def test_a_pod_is_earmarked_its_whole_cpus_by_topology(machine, limit, earmarked):
+    policy = policy_on(machine)
+    state = policy.empty_state()
+    after = policy.earmark(state, "pod-a", "sb-a", limit, "a", "ns")
+    want = P(earmarked)
+    assert (after.earmarks["pod-a"].cpus if want else CPUSet()) == want
+    assert after.shared == policy.shareable - want
+    assert after.assigned == CPUSet()  # nobody holds them yet
+
+
+def test_an_exclusive_container_takes_its_pods_earmark_and_moves_nobody():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    decision, after = policy.admit(state, wl(2000, pod="pod-a"))
+    assert decision.cpus == P("1,25") and "earmarked" in decision.reason
+    assert after.shared == state.shared  # the shared containers do not move
+    assert "pod-a" not in after.earmarks
+    # Another pod's container does not get them.
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    decision, _ = policy.admit(state, wl(2000, pod="pod-b"))
+    assert not decision.cpus & P("1,25")
+
+
+@pytest.mark.parametrize(
+    ("limit", "containers", "left"),
+    [
+        # the pod's limit; (milli, kind) created in order; what stays earmarked after each
+        (2000, [(1000, "app"), (1000, "app")], ["25", ""]),
+        (3000, [(1500, "app"), (1500, "app")], ["1", ""]),  # fractional: shared, claims it
+        (2000, [(500, "init"), (2000, "app")], ["1,25", ""]),  # init containers claim nothing
+        (2500, [(500, "app")], ["1,25"]),  # two whole CPUs could still be asked for
+    ],
+)
+def test_the_earmark_keeps_only_what_the_pods_containers_can_still_ask_for(limit, containers, left):
+    policy = policy_on("xeon-e5-2680v3-2s")
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", limit)
+    for (milli, kind), want in zip(containers, left, strict=True):
+        _, state = policy.admit(state, wl(milli, pod="pod-a", kind=kind))
+        got = state.earmarks["pod-a"].cpus if "pod-a" in state.earmarks else CPUSet()
+        assert got == P(want)
+        assert state.shared == policy.shareable - state.exclusive
+
+
+def test_a_restart_gets_its_previous_cpus_and_leaves_the_earmark_to_its_sibling():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    first = wl(1000, pod="pod-a", name="a")
+    decision, state = policy.admit(state, first)
+    _, state = policy.release(state, first.container_id)
+    again = wl(1000, pod="pod-a", name="a")
+    decision_again, state = policy.admit(state, again)
+    assert decision_again.cpus == decision.cpus and "previous CPUs" in decision_again.reason
+    assert state.earmarks["pod-a"].cpus == P("1,25") - decision.cpus  # still the sibling's
+
+
+def test_an_earmark_never_empties_the_shared_pool_nor_takes_held_cpus():
+    policy = policy_on("single-socket-no-smt")  # 8 CPUs, 0-1 reserved (and shared)
+    state = policy.earmark(policy.empty_state(), "big", "sb-big", 64000)
+    assert state.earmarks["big"].cpus == P("2-7") and state.shared == P("0-1")
+    assert policy.earmark(state, "next", "sb-next", 1000) is state  # nothing left to earmark
+    # A pod known already (a recreated sandbox) gets none: its restarts go by what they held.
+    _, held = policy.admit(policy.empty_state(), wl(1000, pod="p"))
+    assert policy.earmark(held, "p", "sb-p2", 1000) is held
+
+
+def test_removing_the_pod_or_a_synchronize_without_it_gives_the_earmark_back():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    engine = Engine(policy)
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    removed = engine.remove_pod(state, "pod-a")
+    assert removed.state.shared == policy.shareable and not removed.state.earmarks
+    synced = engine.synchronize(state, [], ["pod-b"])
+    assert not synced.state.earmarks and synced.state.shared == policy.shareable
+    assert any("earmarked for gone pod" in e.message for e in synced.events)
+    kept = engine.synchronize(state, [], ["pod-a"])
+    assert kept.state.earmarks == state.earmarks
+    # A live container of the pod placed by the synchronize takes it.
+    live = LiveContainer(wl(2000, pod="pod-a"), CPUSet())
+    assert engine.synchronize(state, [live], ["pod-a"]).state.assigned == P("1,25")
+
+
+def test_a_hotplug_drops_earmarks_and_the_shared_containers_grow_back():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
+    state = policy.earmark(state, "pod-a", "sb-a", 2000)
+    after = StaticPolicy.from_config(offline(policy.topology, "47"), reserved_count=2)
+    outcome = Engine(after).follow(state, policy)
+    assert not outcome.state.earmarks
+    assert outcome.state.shared == after.shareable
+    assert [t.cpus for t in outcome.targets] == [after.shareable]  # the shared one grows
+
+
+def test_the_earmark_outcome_moves_the_shared_containers_and_says_so():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    engine = Engine(policy)
+    _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
+    outcome = engine.earmark(state, "pod-a", "sb-a", 2000, "a", "ns")
+    assert [t.cpus for t in outcome.targets] == [outcome.state.shared]
+    assert [e.action for e in outcome.events] == ["earmark", "shared-resize"]
+    assert engine.earmark(outcome.state, "pod-a", "sb-a", 2000).state is outcome.state
+
+
+def test_earmarks_in_the_state_file_round_trip_and_are_checked():
+    policy = policy_on("xeon-e5-2680v3-2s")
+    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000, "a", "ns")
+    assert state_mod.decode(state_mod.encode(state)) == state
+    # A document without earmarks keeps the bytes it had before they existed.
+    assert b"earmarks" not in state_mod.encode(policy.empty_state())
+    _, held = policy.admit(policy.empty_state(), wl(2000, pod="pod-b"))
+    doc = state_mod.to_document(held)
+    doc["earmarks"] = {"pod-a": {**state_mod.to_document(state)["earmarks"]["pod-a"]}}
+    doc["shared"] = str(held.shared - P("1,25"))
+    doc["checksum"] = state_mod.checksum(doc)
+    with pytest.raises(StateFormatError, match="earmarked for pod 'pod-a' and"):
+        state_mod.decode(state_mod.jsonbytes.dumps(doc))
+    doc["earmarks"]["pod-a"]["limit_milli"] = "2000"
+    doc["checksum"] = state_mod.checksum(doc)
+    with pytest.raises(StateFormatError, match="limit_milli must be a non-negative integer"):
+        state_mod.decode(state_mod.jsonbytes.dumps(doc))
+
+
+# --- the daemon -------------------------------------------------------------------------------
+
+
+def guaranteed_pod(name: str, milli: int) -> pb.PodSandbox:
+    sandbox = pod(name)
+    cpu = sandbox.linux.pod_resources.cpu
+    cpu.shares.value = milli * 1024 // 1000
+    cpu.period.value, cpu.quota.value = 100000, milli * 100
+    return sandbox
+
+
+@pytest.mark.parametrize(
+    ("qos", "milli", "want"),
+    [("guaranteed", 2000, 2000), ("guaranteed", 800, 0), ("burstable", 2000, 0)],
+)
+def test_which_pods_are_earmarked(qos, milli, want):
+    sandbox = guaranteed_pod("a", milli)
+    if qos != "guaranteed":
+        sandbox.linux.cgroup_parent = "/kubepods/burstable/poda"
+    assert earmarks.pod_cpu_limit(sandbox) == want
+    assert earmarks.pod_cpu_limit(pod("no-resources")) == 0  # not sent: nothing
+
+
+def test_the_daemon_earmarks_at_pod_start_and_answers_the_creation_from_it(tmp_path):
+    plugin, records = make(tmp_path)
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 2000)
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.run_pod_sandbox(db)
+        assert on_disk(plugin).earmarks["uid-db"].cpus == P("1,25")  # committed
+        assert not plugin.state.shared & P("1,25")
+        report = status.snapshot(plugin.settings.state_dir, plugin.settings.sysfs)
+        assert report["exclusive"] == "" and report["earmarked"]["uid-db"]["cpus"] == "1,25"
+        assert "earmarked   1,25  for pod ns/db (starting)" in status.render_text(report)
+        assert report["numa"]["0"]["free_exclusive"] == str(P("2-11,26-35"))
+        seen = []
+        plugin_answer = plugin._earmarked
+
+        def spy(*args):
+            seen.append(plugin_answer(*args))
+            return seen[-1]
+
+        plugin._earmarked = spy
+        ((adjust, updates),) = [await plugin.create_container(db, pg)]
+        assert seen[0] is not None and seen[0] == adjust  # answered from the earmark
+        assert adjust.linux.resources.cpu.cpus == "1,25" and updates == []
+        await plugin.start_container(db, container("pg", db, 2000, cpus="1,25"))
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments[container("pg", db, 2000).id].cpus == P("1,25")
+    assert "uid-db" not in plugin.state.earmarks
+    assert [r["ACTION"] for r in records.of("earmark")] == ["earmark"]
+    assert not records.of("deadline") and not plugin._owed
+
+
+def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
+    tmp_path, monkeypatch
+):
+    """The decision after the early answer can differ (here: forced); the container is owed
+    to the runtime and audited."""
+    plugin, records = make(tmp_path)
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 2000)
+
+    def elsewhere(engine, state, pod_, container_, unknown):
+        adjust = pb.ContainerAdjustment()
+        adjust.linux.resources.cpu.cpus = "5,29"
+        return adjust
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.run_pod_sandbox(db)
+        monkeypatch.setattr(earmarks, "early_answer", elsewhere)
+        adjust, _ = await plugin.create_container(db, pg)
+        assert adjust.linux.resources.cpu.cpus == "5,29"  # what was answered
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments[pg.id].cpus == P("1,25")  # what was decided
+    assert pg.id in plugin._owed
+    [note] = [r for r in records.of("earmark") if r.get("REASON") == "decided otherwise"]
+    assert "set right when it starts" in note["MESSAGE"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["other size", "annotation", "before synchronize", "other sandbox", "owed"],
+)
+def test_creations_the_earmark_may_not_answer_are_decided_first(tmp_path, change):
+    plugin, _ = make(tmp_path)
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 1000 if change == "other size" else 2000)
+    if change == "annotation":
+        pg.annotations[EXCLUSIVE] = "false"
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        if change != "before synchronize":
+            await plugin.synchronize([], [])
+        await plugin.run_pod_sandbox(db)
+        if change == "other sandbox":
+            db.id = "sb-db-recreated"
+        if change == "owed":
+            plugin._owed.add("x" * 64)
+        return plugin._earmarked(db, pg)
+
+    assert asyncio.run(scenario()) is None
