@@ -23,7 +23,7 @@ from ..base.value import Value
 from .cpuset import EMPTY, CPUSet
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
 from .policy import Decision, NICPreference, PolicyError, StaticPolicy
-from .state import NodeState
+from .state import Earmark, NodeState
 from .workload import Workload
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
@@ -345,34 +345,25 @@ class Engine:
         return Outcome(new_state, decision, targets, tuple(events))
 
     def earmark(
-        self,
-        state: NodeState,
-        pod_uid: str,
-        sandbox_id: str,
-        limit_milli: int,
-        pod_name: str = "",
-        pod_namespace: str = "",
-        unavailable: CPUSet = EMPTY,
+        self, state: NodeState, pod_uid: str, wanted: Earmark, unavailable: CPUSet = EMPTY
     ) -> Outcome:
         """A Guaranteed pod's sandbox started: CPUs earmarked for its exclusive containers
         (policy.earmark), and the shared containers moved off them."""
-        new_state = self.policy.earmark(
-            state, pod_uid, sandbox_id, limit_milli, pod_name, pod_namespace, unavailable
-        )
+        new_state = self.policy.earmark(state, pod_uid, wanted, unavailable)
         if new_state is state:
             return Outcome(state)
-        mark = new_state.earmarks[pod_uid]
+        cpus = new_state.earmarks[pod_uid].cpus
         events = [
             event(
                 "earmark",
-                f"pod {pod_namespace}/{pod_name} started with a CPU limit of {limit_milli}m: "
-                f"CPUs {mark.cpus} earmarked for its exclusive containers",
+                f"pod {wanted.pod_namespace}/{wanted.pod_name} started with a CPU limit of "
+                f"{wanted.limit_milli}m: CPUs {cpus} earmarked for its exclusive containers",
                 reason="pod started",
-                cpus=mark.cpus,
+                cpus=cpus,
                 shared_cpus=new_state.shared,
                 pod_uid=pod_uid,
-                pod_name=pod_name,
-                pod_namespace=pod_namespace,
+                pod_name=wanted.pod_name,
+                pod_namespace=wanted.pod_namespace,
             ),
             *self._resized(state, new_state, "pod earmarked"),
         ]

@@ -224,22 +224,16 @@ class StaticPolicy:
     # --- earmarks ----------------------------------------------------------------------------
 
     def earmark(
-        self,
-        state: NodeState,
-        pod_uid: str,
-        sandbox_id: str,
-        limit_milli: int,
-        pod_name: str = "",
-        pod_namespace: str = "",
-        unavailable: CPUSet = EMPTY,
+        self, state: NodeState, pod_uid: str, wanted: Earmark, unavailable: CPUSet = EMPTY
     ) -> NodeState:
-        """A Guaranteed pod's sandbox started with a CPU limit of ``limit_milli`` (the sum
-        over its containers): set aside as many whole free CPUs as its containers could ask
-        for between them, chosen by topology as one request, so that creating its exclusive
-        containers takes them without moving any other container.  Fewer when fewer are free
-        (the shared pool keeps a CPU); none for a pod already known (a recreated sandbox: its
-        containers' restarts go by what they held) or with less than a whole CPU."""
-        count = limit_milli // 1000
+        """A Guaranteed pod's sandbox started with a CPU limit of ``wanted.limit_milli`` (the
+        sum over its containers; ``wanted`` is its earmark without CPUs): set aside as many
+        whole free CPUs as its containers could ask for between them, chosen by topology as
+        one request, so that creating its exclusive containers takes them without moving any
+        other container.  Fewer when fewer are free (the shared pool keeps a CPU); none for a
+        pod already known (a recreated sandbox: its containers' restarts go by what they held)
+        or with less than a whole CPU."""
+        count = wanted.limit_milli // 1000
         known = pod_uid in state.earmarks or any(
             a.pod_uid == pod_uid for a in state.assignments.values()
         )
@@ -253,10 +247,7 @@ class StaticPolicy:
             except AllocationError:
                 count -= 1
                 continue
-            mark = Earmark(
-                cpus, sandbox_id, limit_milli, pod_name=pod_name, pod_namespace=pod_namespace
-            )
-            new_state = state.evolve(earmarks={**state.earmarks, pod_uid: mark})
+            new_state = state.evolve(earmarks={**state.earmarks, pod_uid: wanted.evolve(cpus=cpus)})
             return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
         return state
 

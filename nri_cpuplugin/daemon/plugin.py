@@ -34,7 +34,7 @@ from typing import Any
 from ..core.cpuset import CPUSet
 from ..core.engine import Engine, LiveContainer, Outcome
 from ..core.policy import PolicyError, StaticPolicy
-from ..core.state import NodeState
+from ..core.state import Earmark, NodeState
 from ..core.topology import discover
 from ..core.workload import (
     GUARANTEED,
@@ -476,10 +476,9 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         the creation of an exclusive container that takes them moves nobody, whatever the
         number of containers on the node (docs/architecture.md, "Earmarks")."""
         limit = self._earmark_limit(pod)
+        wanted = Earmark(CPUSet(), pod.id, limit, pod_name=pod.name, pod_namespace=pod.namespace)
         with self.store.locked():
-            decided = self.engine.earmark(
-                self.state, pod.uid, pod.id, limit, pod.name, pod.namespace, self.pinned
-            )
+            decided = self.engine.earmark(self.state, pod.uid, wanted, self.pinned)
             outcome = self._commit(decided)
         if outcome.events:
             self._latest_sandbox[pod.uid] = pod.id

@@ -18,12 +18,17 @@ from nri_cpuplugin.core.annotation import EXCLUSIVE
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.engine import Engine, LiveContainer
 from nri_cpuplugin.core.policy import StaticPolicy
-from nri_cpuplugin.core.state import StateFormatError
+from nri_cpuplugin.core.state import Earmark, StateFormatError
 from nri_cpuplugin.daemon import earmarks
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops import status
 
 P = CPUSet.parse
+
+
+def mark(sandbox: str, limit: int, name: str = "", namespace: str = "") -> Earmark:
+    """A pod's earmark as it asks for one (no CPUs yet)."""
+    return Earmark(CPUSet(), sandbox, limit, pod_name=name, pod_namespace=namespace)
 
 
 def policy_on(name: str, reserved: int = 2) -> StaticPolicy:
@@ -44,7 +49,7 @@ def policy_on(name: str, reserved: int = 2) -> StaticPolicy:
 def test_a_pod_is_earmarked_its_whole_cpus_by_topology(machine, limit, earmarked):
     policy = policy_on(machine)
     state = policy.empty_state()
-    after = policy.earmark(state, "pod-a", "sb-a", limit, "a", "ns")
+    after = policy.earmark(state, "pod-a", mark("sb-a", limit, "a", "ns"))
     want = P(earmarked)
     assert (after.earmarks["pod-a"].cpus if want else CPUSet()) == want
     assert after.shared == policy.shareable - want
@@ -53,13 +58,13 @@ def test_a_pod_is_earmarked_its_whole_cpus_by_topology(machine, limit, earmarked
 
 def test_an_exclusive_container_takes_its_pods_earmark_and_moves_nobody():
     policy = policy_on("xeon-e5-2680v3-2s")
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
     decision, after = policy.admit(state, wl(2000, pod="pod-a"))
     assert decision.cpus == P("1,25") and "earmarked" in decision.reason
     assert after.shared == state.shared  # the shared containers do not move
     assert "pod-a" not in after.earmarks
     # Another pod's container does not get them.
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
     decision, _ = policy.admit(state, wl(2000, pod="pod-b"))
     assert not decision.cpus & P("1,25")
 
@@ -76,7 +81,7 @@ def test_an_exclusive_container_takes_its_pods_earmark_and_moves_nobody():
 )
 def test_the_earmark_keeps_only_what_the_pods_containers_can_still_ask_for(limit, containers, left):
     policy = policy_on("xeon-e5-2680v3-2s")
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", limit)
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", limit))
     for (milli, kind), want in zip(containers, left, strict=True):
         _, state = policy.admit(state, wl(milli, pod="pod-a", kind=kind))
         got = state.earmarks["pod-a"].cpus if "pod-a" in state.earmarks else CPUSet()
@@ -86,7 +91,7 @@ def test_the_earmark_keeps_only_what_the_pods_containers_can_still_ask_for(limit
 
 def test_a_restart_gets_its_previous_cpus_and_leaves_the_earmark_to_its_sibling():
     policy = policy_on("xeon-e5-2680v3-2s")
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
     first = wl(1000, pod="pod-a", name="a")
     decision, state = policy.admit(state, first)
     _, state = policy.release(state, first.container_id)
@@ -98,18 +103,18 @@ def test_a_restart_gets_its_previous_cpus_and_leaves_the_earmark_to_its_sibling(
 
 def test_an_earmark_never_empties_the_shared_pool_nor_takes_held_cpus():
     policy = policy_on("single-socket-no-smt")  # 8 CPUs, 0-1 reserved (and shared)
-    state = policy.earmark(policy.empty_state(), "big", "sb-big", 64000)
+    state = policy.earmark(policy.empty_state(), "big", mark("sb-big", 64000))
     assert state.earmarks["big"].cpus == P("2-7") and state.shared == P("0-1")
-    assert policy.earmark(state, "next", "sb-next", 1000) is state  # nothing left to earmark
+    assert policy.earmark(state, "next", mark("sb-next", 1000)) is state  # nothing left to earmark
     # A pod known already (a recreated sandbox) gets none: its restarts go by what they held.
     _, held = policy.admit(policy.empty_state(), wl(1000, pod="p"))
-    assert policy.earmark(held, "p", "sb-p2", 1000) is held
+    assert policy.earmark(held, "p", mark("sb-p2", 1000)) is held
 
 
 def test_removing_the_pod_or_a_synchronize_without_it_gives_the_earmark_back():
     policy = policy_on("xeon-e5-2680v3-2s")
     engine = Engine(policy)
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000)
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
     removed = engine.remove_pod(state, "pod-a")
     assert removed.state.shared == policy.shareable and not removed.state.earmarks
     synced = engine.synchronize(state, [], ["pod-b"])
@@ -125,7 +130,7 @@ def test_removing_the_pod_or_a_synchronize_without_it_gives_the_earmark_back():
 def test_a_hotplug_drops_earmarks_and_the_shared_containers_grow_back():
     policy = policy_on("xeon-e5-2680v3-2s")
     _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
-    state = policy.earmark(state, "pod-a", "sb-a", 2000)
+    state = policy.earmark(state, "pod-a", mark("sb-a", 2000))
     after = StaticPolicy.from_config(offline(policy.topology, "47"), reserved_count=2)
     outcome = Engine(after).follow(state, policy)
     assert not outcome.state.earmarks
@@ -137,15 +142,15 @@ def test_the_earmark_outcome_moves_the_shared_containers_and_says_so():
     policy = policy_on("xeon-e5-2680v3-2s")
     engine = Engine(policy)
     _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
-    outcome = engine.earmark(state, "pod-a", "sb-a", 2000, "a", "ns")
+    outcome = engine.earmark(state, "pod-a", mark("sb-a", 2000, "a", "ns"))
     assert [t.cpus for t in outcome.targets] == [outcome.state.shared]
     assert [e.action for e in outcome.events] == ["earmark", "shared-resize"]
-    assert engine.earmark(outcome.state, "pod-a", "sb-a", 2000).state is outcome.state
+    assert engine.earmark(outcome.state, "pod-a", mark("sb-a", 2000)).state is outcome.state
 
 
 def test_earmarks_in_the_state_file_round_trip_and_are_checked():
     policy = policy_on("xeon-e5-2680v3-2s")
-    state = policy.earmark(policy.empty_state(), "pod-a", "sb-a", 2000, "a", "ns")
+    state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000, "a", "ns"))
     assert state_mod.decode(state_mod.encode(state)) == state
     # A document without earmarks keeps the bytes it had before they existed.
     assert b"earmarks" not in state_mod.encode(policy.empty_state())
