@@ -242,10 +242,12 @@ class DeadlinePlugin(CPUPlugin):
 
     async def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         self._read_nics_ahead(pod)  # it only starts a read: on the event loop
-        if self._earmark_limit(pod):
+        limit = self._earmark_limit(pod)
+        if limit:
             await self._answered(
-                "RunPodSandbox", self._earmark, (pod,), None, f"pod {pod.namespace}/{pod.name}"
-            )
+                "RunPodSandbox", self._earmark, (pod, limit), None,
+                f"pod {pod.namespace}/{pod.name}",
+            )  # fmt: skip
 
     async def remove_pod_sandbox(self, pod: pb.PodSandbox) -> None:
         await self._answered(

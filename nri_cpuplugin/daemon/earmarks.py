@@ -73,10 +73,9 @@ def early_answer(
     name = container.name or container.labels.get("io.kubernetes.container.name", "")
     if annotation.read(pod.annotations, name) or annotation.read(container.annotations, name):
         return None
-    key = (pod.uid, name)
-    if key in state.released or any(
-        (a.pod_uid, a.container_name) == key for a in state.assignments.values()
-    ):
+    # A name created in this pod before (it claimed), or remembered from an earlier sandbox
+    # of the pod: a restart, whose previous CPUs come first.
+    if name in mark.claimants or (pod.uid, name) in state.released:
         return None
     adjust = pb.ContainerAdjustment()
     fill_cpu(adjust.linux.resources.cpu, engine.exclusive_target(cid, mark.cpus))

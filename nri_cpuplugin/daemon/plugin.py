@@ -464,18 +464,18 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         exclusive containers (``_earmark``) and its interfaces are read for their NIC
         locality."""
         self._read_nics_ahead(pod)
-        if self._earmark_limit(pod):
-            self._earmark(pod)
+        limit = self._earmark_limit(pod)
+        if limit:
+            self._earmark(pod, limit)
 
     def _earmark_limit(self, pod: pb.PodSandbox) -> int:
         return earmarks.pod_cpu_limit(pod) if self.settings.earmark_pods else 0
 
-    def _earmark(self, pod: pb.PodSandbox) -> None:
+    def _earmark(self, pod: pb.PodSandbox, limit: int) -> None:
         """CPUs set aside for the pod's exclusive containers, and the shared containers moved
         off them now (written directly, or owed to the next reply that can carry updates):
         the creation of an exclusive container that takes them moves nobody, whatever the
         number of containers on the node (docs/architecture.md, "Earmarks")."""
-        limit = self._earmark_limit(pod)
         wanted = Earmark(CPUSet(), pod.id, limit, pod_name=pod.name, pod_namespace=pod.namespace)
         with self.store.locked():
             decided = self.engine.earmark(self.state, pod.uid, wanted, self.pinned)

@@ -258,11 +258,11 @@ def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
 
 @pytest.mark.parametrize(
     "change",
-    ["other size", "annotation", "before synchronize", "other sandbox", "owed"],
+    ["other size", "annotation", "before synchronize", "other sandbox", "owed", "restart"],
 )
 def test_creations_the_earmark_may_not_answer_are_decided_first(tmp_path, change):
     plugin, _ = make(tmp_path)
-    db = guaranteed_pod("db", 2000)
+    db = guaranteed_pod("db", 3000 if change == "restart" else 2000)
     pg = container("pg", db, 1000 if change == "other size" else 2000)
     if change == "annotation":
         pg.annotations[EXCLUSIVE] = "false"
@@ -276,6 +276,10 @@ def test_creations_the_earmark_may_not_answer_are_decided_first(tmp_path, change
             db.id = "sb-db-recreated"
         if change == "owed":
             plugin._owed.add("x" * 64)
+        if change == "restart":  # "pg" took one of three CPUs; a new "pg" asks for the rest
+            await plugin.create_container(db, container("pg", db, 1000))
+            assert await plugin.drain() and len(plugin.state.earmarks["uid-db"].cpus) == 2
+            pg.id = "restarted".ljust(64, "0")
         return plugin._earmarked(db, pg)
 
     assert asyncio.run(scenario()) is None
