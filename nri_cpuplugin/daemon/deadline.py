@@ -153,6 +153,9 @@ class DeadlinePlugin(CPUPlugin):
     async def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        early = self._earmarked_now(pod, container)
+        if early is not None:
+            return early, []
         job = self.worker.submit(
             "CreateContainer", self._create_job, pod, container,
             late=self._create_late, refusable=True,
@@ -283,13 +286,38 @@ class DeadlinePlugin(CPUPlugin):
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         job = self.worker.current
+        early = self._earmarked(pod, container) if job is not None else None
+        if early is not None:
+            # Answered now; the decision, made next as for any creation, normally says the same.
+            self.worker.deliver((early, []))
+            return self._decide_answered(pod, container, early)
         if job is not None:
             job.before = self.state
-        early = self._earmarked(pod, container) if job is not None else None
-        if early is None:
-            return super().create_container(pod, container)
-        # Answered now; the decision, made next as for any creation, normally says the same.
-        self.worker.deliver((early, []))
+        return super().create_container(pod, container)
+
+    def _earmarked_now(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> pb.ContainerAdjustment | None:
+        """The earmark's answer given on the event loop, when the worker has nothing queued
+        or running (the state is current then, and nothing changes it before the loop submits
+        again): the reply then waits for no hand-off to the worker and back, which costs as
+        much as the answer itself on a CPU that was idle.  The decision follows on the worker
+        once the reply is written, and is compared with it."""
+        if not self.worker.idle():
+            return None  # the worker's job answers from the earmark after what is queued
+        early = self._earmarked(pod, container)
+        if early is not None:
+            self.worker.submit(
+                "CreateContainer", self._decide_answered, pod, container, early, answered=True
+            )
+        return early
+
+    def _decide_answered(
+        self, pod: pb.PodSandbox, container: pb.Container, early: pb.ContainerAdjustment
+    ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        job = self.worker.current
+        if job is not None:
+            job.before = self.state
         self._early = (container.id, early)
         try:
             return super().create_container(pod, container)

@@ -6,6 +6,8 @@ whole earmark is answered before it is decided."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 from nri_messages import container, pod
@@ -254,6 +256,53 @@ def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
     assert pg.id in plugin._owed
     [note] = [r for r in records.of("earmark") if r.get("REASON") == "decided otherwise"]
     assert "set right when it starts" in note["MESSAGE"]
+
+
+def test_an_idle_daemon_answers_from_the_earmark_before_its_worker_decides(tmp_path):
+    """With nothing queued, the answer is given on the event loop; the decision is queued once
+    the answer is out (the loop's next turn) and runs wherever the scheduler has room."""
+    plugin, _ = make(tmp_path)
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 2000)
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.run_pod_sandbox(db)
+        assert plugin.worker.idle()
+        adjust, _ = await plugin.create_container(db, pg)
+        assert adjust.linux.resources.cpu.cpus == "1,25"
+        assert pg.id not in plugin.state.assignments and not plugin.worker.idle()
+        await asyncio.sleep(0)  # the loop's next turn: the decision is queued, unpinned
+        assert os.sched_getaffinity(plugin.worker._thread.native_id) == os.sched_getaffinity(0)
+        assert await plugin.drain() and plugin.worker.idle()
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments[pg.id].cpus == P("1,25") and not plugin._owed
+
+
+def test_a_busy_daemon_answers_from_the_earmark_after_what_is_queued(tmp_path):
+    """While a job runs, the state may be about to change: the answer waits for the worker."""
+    plugin, _ = make(tmp_path)
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 2000)
+    gate = threading.Event()
+
+    async def scenario():
+        await plugin.configure("", "containerd", "v2.1.9")
+        await plugin.synchronize([], [])
+        await plugin.run_pod_sandbox(db)
+        plugin.worker.submit("held", gate.wait, 10, awaited=False)
+        creating = asyncio.ensure_future(plugin.create_container(db, pg))
+        await asyncio.sleep(0.05)
+        assert not creating.done()  # not answered from a state a job may still change
+        gate.set()
+        adjust, _ = await creating
+        assert adjust.linux.resources.cpu.cpus == "1,25"
+        assert await plugin.drain()
+
+    asyncio.run(scenario())
+    assert plugin.state.assignments[pg.id].cpus == P("1,25") and not plugin._owed
 
 
 @pytest.mark.parametrize(
