@@ -192,15 +192,20 @@ def test_which_pods_are_earmarked(qos, milli, want):
     assert earmarks.pod_cpu_limit(pod("no-resources")) == 0  # not sent: nothing
 
 
+async def sandbox_started(plugin, sandbox: pb.PodSandbox) -> None:
+    """A daemon connected to containerd 2.1.9, synchronized, and ``sandbox`` started."""
+    await plugin.configure("", "containerd", "v2.1.9")
+    await plugin.synchronize([], [])
+    await plugin.run_pod_sandbox(sandbox)
+
+
 def test_the_daemon_earmarks_at_pod_start_and_answers_the_creation_from_it(tmp_path):
     plugin, records = make(tmp_path)
     db = guaranteed_pod("db", 2000)
     pg = container("pg", db, 2000)
 
     async def scenario():
-        await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.synchronize([], [])
-        await plugin.run_pod_sandbox(db)
+        await sandbox_started(plugin, db)
         assert on_disk(plugin).earmarks["uid-db"].cpus == P("1,25")  # committed
         assert not plugin.state.shared & P("1,25")
         report = status.snapshot(plugin.settings.state_dir, plugin.settings.sysfs)
@@ -243,9 +248,7 @@ def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
         return adjust
 
     async def scenario():
-        await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.synchronize([], [])
-        await plugin.run_pod_sandbox(db)
+        await sandbox_started(plugin, db)
         monkeypatch.setattr(earmarks, "early_answer", elsewhere)
         adjust, _ = await plugin.create_container(db, pg)
         assert adjust.linux.resources.cpu.cpus == "5,29"  # what was answered
@@ -266,9 +269,7 @@ def test_an_idle_daemon_answers_from_the_earmark_before_its_worker_decides(tmp_p
     pg = container("pg", db, 2000)
 
     async def scenario():
-        await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.synchronize([], [])
-        await plugin.run_pod_sandbox(db)
+        await sandbox_started(plugin, db)
         assert plugin.worker.idle()
         adjust, _ = await plugin.create_container(db, pg)
         assert adjust.linux.resources.cpu.cpus == "1,25"
@@ -289,9 +290,7 @@ def test_a_busy_daemon_answers_from_the_earmark_after_what_is_queued(tmp_path):
     gate = threading.Event()
 
     async def scenario():
-        await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.synchronize([], [])
-        await plugin.run_pod_sandbox(db)
+        await sandbox_started(plugin, db)
         plugin.worker.submit("held", gate.wait, 10, awaited=False)
         creating = asyncio.ensure_future(plugin.create_container(db, pg))
         await asyncio.sleep(0.05)
