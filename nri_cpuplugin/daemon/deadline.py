@@ -153,8 +153,7 @@ class DeadlinePlugin(CPUPlugin):
     async def create_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        early = self._earmarked_now(pod, container)
-        if early is not None:
+        if (early := self._earmarked_now(pod, container)) is not None:
             return early, []
         job = self.worker.submit(
             "CreateContainer", self._create_job, pod, container,
@@ -187,6 +186,18 @@ class DeadlinePlugin(CPUPlugin):
             job, budget, f"the shared pool {target.cpus}", workload.identity(), cpus=target.cpus
         )
         return adjust, []
+
+    def _earmarked_now(
+        self, pod: pb.PodSandbox, container: pb.Container
+    ) -> pb.ContainerAdjustment | None:
+        """The earmark's answer on the event loop while the worker is idle (the state is then
+        current), the decision queued after the reply (docs/architecture.md, "Earmarks")."""
+        early = self._earmarked(pod, container) if self.worker.idle() else None
+        if early is not None:
+            self.worker.submit(
+                "CreateContainer", self._decide_answered, pod, container, early, answered=True
+            )
+        return early
 
     async def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources
@@ -294,23 +305,6 @@ class DeadlinePlugin(CPUPlugin):
         if job is not None:
             job.before = self.state
         return super().create_container(pod, container)
-
-    def _earmarked_now(
-        self, pod: pb.PodSandbox, container: pb.Container
-    ) -> pb.ContainerAdjustment | None:
-        """The earmark's answer given on the event loop, when the worker has nothing queued
-        or running (the state is current then, and nothing changes it before the loop submits
-        again): the reply then waits for no hand-off to the worker and back, which costs as
-        much as the answer itself on a CPU that was idle.  The decision follows on the worker
-        once the reply is written, and is compared with it."""
-        if not self.worker.idle():
-            return None  # the worker's job answers from the earmark after what is queued
-        early = self._earmarked(pod, container)
-        if early is not None:
-            self.worker.submit(
-                "CreateContainer", self._decide_answered, pod, container, early, answered=True
-            )
-        return early
 
     def _decide_answered(
         self, pod: pb.PodSandbox, container: pb.Container, early: pb.ContainerAdjustment
