@@ -297,21 +297,18 @@ class DeadlinePlugin(CPUPlugin):
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         job = self.worker.current
-        early = self._earmarked(pod, container) if job is not None else None
-        if early is not None:
-            # Answered now; the decision, made next as for any creation, normally says the same.
-            self.worker.deliver((early, []))
-            return self._decide_answered(pod, container, early)
         if job is not None:
             job.before = self.state
-        return super().create_container(pod, container)
+        early = self._earmarked(pod, container) if job is not None else None
+        if early is None:
+            return super().create_container(pod, container)
+        # Answered now; the decision, made next as for any creation, normally says the same.
+        self.worker.deliver((early, []))
+        return self._decide_answered(pod, container, early)
 
     def _decide_answered(
         self, pod: pb.PodSandbox, container: pb.Container, early: pb.ContainerAdjustment
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
-        job = self.worker.current
-        if job is not None:
-            job.before = self.state
         self._early = (container.id, early)
         try:
             return super().create_container(pod, container)
