@@ -26,6 +26,8 @@ containers' cgroup writes that precede a creation's answer.  So:
   CreateContainer of an exclusive candidate             an error saying what held it up
                                                         (kubelet retries the container)
   CreateContainer of a shared container                 the current shared pool
+  StartContainer deciding its container (pin at start)  as CreateContainer: an error, or an
+                                                        empty reply for a shared one
   UpdateContainer resizing around exclusive CPUs        an error (kubelet retries the resize)
   UpdateContainer otherwise                             the current cpuset, kept
   StopContainer, Synchronize                            no updates
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +66,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage.store import CommitTiming, StateStore
 from . import earmarks
+from .late import LateWork, subject_of
 from .plugin import CPUPlugin
 from .targets import fill_cpu
 from .worker import (
@@ -76,7 +78,6 @@ from .worker import (
     NIC,
     QUEUED,
     STATE_LOCK,
-    Abandoned,
     Job,
     Worker,
     _call_soon,
@@ -116,7 +117,7 @@ class PhasedStore(StateStore):
             return super().commit(state)
 
 
-class DeadlinePlugin(CPUPlugin):
+class DeadlinePlugin(LateWork, CPUPlugin):
     """The daemon's plugin: CPUPlugin's decisions, made on the worker thread and answered
     within the budget (see the module docstring)."""
 
@@ -165,17 +166,7 @@ class DeadlinePlugin(CPUPlugin):
         workload = from_nri(pod, container)
         job.subject = describe(workload)
         if self._eligible(workload):
-            if not job.abandon(ERROR):
-                return job.outcome()
-            self.metrics.pinning_request()
-            self.metrics.pinning_error()
-            why = self._missed(job, budget, "an error", workload.identity())
-            raise PolicyError(
-                f"exclusive CPUs for {job.subject} could not be decided within {budget:g} s: "
-                f"{why}; nothing was assigned, the container is not created now and kubelet "
-                "retries it",
-                "deadline",
-            )
+            return self._exclusive_missed(job, budget, workload, "created")
         target = self.engine.target(self.state, container.id)
         job.answered_cpus = str(target.cpus)  # before abandon(): the late job compares with it
         if not job.abandon(FALLBACK):
@@ -239,19 +230,37 @@ class DeadlinePlugin(CPUPlugin):
     ) -> list[pb.ContainerUpdate]:
         return await self._answered(
             "StopContainer", super().stop_container, (pod, container), [],
-            _subject(pod, container), container.id,
+            subject_of(pod, container), container.id,
         )  # fmt: skip
 
     async def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
-        await self._answered(
-            "StartContainer", super().start_container, (pod, container), None,
-            _subject(pod, container), container.id,
+        if not self._decides_at_start(container.id):
+            await self._answered(
+                "StartContainer", super().start_container, (pod, container), None,
+                subject_of(pod, container), container.id,
+            )  # fmt: skip
+            return
+        # [nri] pin_at = "start": this decides the container, missed as a creation is.
+        job = self.worker.submit(
+            "StartContainer", self._start_job, pod, container,
+            late=self._start_late, refusable=True,
         )  # fmt: skip
+        budget = self.budget
+        if await self.worker.finished(job, budget):
+            return job.outcome()
+        workload = from_nri(pod, container)
+        job.subject = describe(workload)
+        if self._eligible(workload):
+            return self._exclusive_missed(job, budget, workload, "started")
+        if not job.abandon(FALLBACK):
+            return job.outcome()
+        # It starts on its pod's CPUs; the job writes the shared pool when it ends.
+        self._missed(job, budget, "an empty reply", workload.identity())
 
     async def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         await self._answered(
             "RemoveContainer", super().remove_container, (pod, container), None,
-            _subject(pod, container), container.id,
+            subject_of(pod, container), container.id,
         )  # fmt: skip
 
     async def run_pod_sandbox(self, pod: pb.PodSandbox) -> None:
@@ -305,6 +314,12 @@ class DeadlinePlugin(CPUPlugin):
         # Answered now; the decision, made next as for any creation, normally says the same.
         self.worker.deliver((early, []))
         return self._decide_answered(pod, container, early)
+
+    def _start_job(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        job = self.worker.current
+        if job is not None:
+            job.before = self.state
+        super().start_container(pod, container)
 
     def _decide_answered(
         self, pod: pb.PodSandbox, container: pb.Container, early: pb.ContainerAdjustment
@@ -380,104 +395,6 @@ class DeadlinePlugin(CPUPlugin):
         with self.worker.phase(CGROUPS):
             return super()._write_direct(direct)
 
-    def _create_late(self, job: Job) -> None:
-        """A creation that ended after its request was answered without it."""
-        container = job.args[1]
-        cid = container.id
-        state = self.state
-        if job.error is not None:
-            what = (
-                "nothing was assigned"
-                if isinstance(job.error, Abandoned)
-                else f"it was refused: {job.error}"
-            )
-        elif job.answer == ERROR:
-            if job.result is not None:
-                # The reply was not sent: what it carried for other containers (owed
-                # updates among them) goes with the next reply that can carry it.
-                self._owed |= {update.container_id for update in job.result[1]} - {cid}
-            before = job.before
-            # A repeated creation of a tracked container must not release what it held.
-            tracked = before is not None and (cid in before.assignments or cid in before.sharing)
-            if tracked or (cid not in state.assignments and cid not in state.sharing):
-                what = "nothing to undo"
-            else:
-                # The runtime is not creating it: what was committed for it goes again.
-                held = state.assignments.get(cid)
-                with self.store.locked():
-                    outcome = self._commit(self.engine.stop(self.state, cid))
-                self.audit.emit(outcome.events)
-                self._push(outcome.targets, "creation answered with an error")
-                what = (
-                    f"its exclusive CPUs {held.cpus} were released again"
-                    if held is not None
-                    else "its record was dropped again"
-                )
-        else:
-            adjust, updates = job.result
-            cpu = adjust.linux.resources.cpu
-            if cpu.cpus != job.answered_cpus:
-                # The pool moved while it waited (an earlier late job): its StartContainer
-                # checks its cgroup, and the next reply that can carry its cpuset does.
-                self._owed.add(cid)
-            self._owed |= {update.container_id for update in updates}
-            what = f"recorded in the shared pool {cpu.cpus}"
-        self._late_record(job, what)
-
-    def _update_late(self, job: Job) -> None:
-        """An update that ended after it was answered without it.  A resize answered with an
-        error that was committed all the same (the budget ran out during the commit) is
-        undone: the runtime did not apply it, and the CPUs it freed or took must not be given
-        to anyone else meanwhile.  Kubelet retries it."""
-        before = job.before
-        # Nothing to undo - or other work was committed since (its late part was put off
-        # behind it: the stub's guard, daemon/worker.py), which going back to ``before`` would
-        # undo too: the resize stands then, its reply is owed, and kubelet's retry finds it made.
-        nothing = before is None or before is self.state or job.after is not self.state
-        if job.answer != ERROR or job.error is not None or nothing:
-            self._replay_late(job)
-            return
-        with self.store.locked():
-            self._commit(Outcome(before))
-        # The reply was not sent: what it carried goes with the next one that can carry it.
-        self._owed |= {update.container_id for update in job.result}
-        container = job.args[1]
-        held = before.assignments.get(container.id)
-        kept = f"its exclusive CPUs {held.cpus}" if held is not None else "the shared pool"
-        self._late_record(job, f"its resize was undone: it keeps {kept}")
-
-    def _replay_late(self, job: Job) -> None:
-        """Any other request that ended after it was answered without it: what its reply
-        would have carried is owed to the runtime's next reply that can carry it (never an
-        unsolicited update: docs/architecture.md, "Changes outside event replies")."""
-        if job.error is not None:
-            what = (
-                "nothing was changed"
-                if isinstance(job.error, Abandoned)
-                else f"it failed: {job.error}"
-            )
-        else:
-            owed = {u.container_id for u in job.result} if isinstance(job.result, list) else set()
-            self._owed |= owed
-            what = "committed" + (f", {len(owed)} cpusets owed to the runtime" if owed else "")
-        self._late_record(job, what)
-
-    def _late_record(self, job: Job, what: str) -> None:
-        late = time.monotonic() - job.answered_at
-        subject = job.subject
-        if subject == job.name and len(job.args) > 1 and isinstance(job.args[1], pb.Container):
-            # Answered by the stub's guard, not by us: named here, off the fast path.
-            pod, container = job.args[:2]
-            subject = _subject(pod, container)
-        self.audit.record(
-            "deadline-late",
-            f"{job.name} of {subject} ended {late:.2f} s after it was answered with "
-            f"{'an error' if job.answer == ERROR else 'a fallback'}: {what}",
-            audit_mod.NOTICE,
-            event=job.name,
-            late_seconds=f"{late:.3f}",
-        )
-
     # --- on the event loop ---------------------------------------------------------------------
 
     async def _answered(
@@ -520,6 +437,20 @@ class DeadlinePlugin(CPUPlugin):
             **fields,
         )
         return why
+
+    def _exclusive_missed(self, job: Job, budget: float, workload: Workload, verb: str) -> Any:
+        """An exclusive candidate not decided within the budget is refused (kubelet retries
+        it); the job's outcome if it ended meanwhile."""
+        if not job.abandon(ERROR):
+            return job.outcome()
+        self.metrics.pinning_request()
+        self.metrics.pinning_error()
+        why = self._missed(job, budget, "an error", workload.identity())
+        raise PolicyError(
+            f"exclusive CPUs for {job.subject} could not be decided within {budget:g} s: {why}; "
+            f"nothing was assigned, the container is not {verb} now and kubelet retries it",
+            "deadline",
+        )
 
     def _why(self, job: Job) -> tuple[str, str]:
         """(reason code, what the job waits for): its own phase, or the phase of the job it
@@ -591,7 +522,3 @@ class DeadlinePlugin(CPUPlugin):
         self._sweeping = False
         if more:
             self._sweep_later(loop)
-
-
-def _subject(pod: pb.PodSandbox, container: pb.Container) -> str:
-    return f"container {container.name!r} of pod {pod.namespace}/{pod.name}"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
@@ -58,6 +58,7 @@ from . import earmarks
 from .hotplug_events import HotplugEvents
 from .persistence import StateKeeping
 from .pod_nics import Listing, PodNICs
+from .starts import Starts
 from .targets import TargetWriter, cpus_of, fill_cpu, spec_agrees
 from .unverified import UnverifiedContainers
 
@@ -70,7 +71,7 @@ LIVE_STATES = (1, 2, 3)  # CONTAINER_CREATED, CONTAINER_PAUSED, CONTAINER_RUNNIN
 LOCK_TIMEOUT = 1.0
 
 
-class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter):
+class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, Starts, TargetWriter):
     """Handlers for nri.stub.Stub.  ``settings`` are defaults + file; ``flags`` win over both
     the file and the runtime's config string.  Every decision is the engine's
     (core/engine.py); this class turns events into engine calls and outcomes into replies."""
@@ -201,11 +202,18 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
             nri_version=nri,
         )
         self.audit.record("connect", f"connected to {runtime_name} {runtime_version}")
-        if self.settings.nic_read_ahead or self.settings.earmark_pods or self.stub is None:
+        unwanted = 0
+        if not (self.settings.nic_read_ahead or self.settings.earmark_pods):
+            # Without the read-ahead and earmarks, RunPodSandbox would only cost each pod a
+            # round trip.
+            unwanted |= EVENT_BITS["run_pod_sandbox"]
+        if self.settings.nri_pin_at == "start":
+            # Decided at StartContainer: any consultation at creation costs the runtime's
+            # CreateContainer its own NRI round trip (docs/architecture.md, "Pinning at start").
+            unwanted |= EVENT_BITS["create_container"]
+        if not unwanted or self.stub is None:
             return None  # every handler's event
-        # Without the read-ahead and earmarks, RunPodSandbox would only cost each pod a round
-        # trip.
-        return self.stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
+        return self.stub.handled_events & ~unwanted
 
     def _apply_config(self, config: str) -> None:
         """Settings from the runtime's config string (rebuilt when they changed), and the
@@ -284,6 +292,12 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
         from the state file (engine.reconcile adopts it): then the container's StartContainer
         commits it (``_hold``).  Without that list, a shared one is committed right after the
         answer."""
+        return self._decide_creation(pod, container, self._answer)
+
+    def _decide_creation(
+        self, pod: pb.PodSandbox, container: pb.Container, answer: Callable[[object], bool]
+    ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
+        """create_container's work, ``answer`` handing its reply over (see ``_answer``)."""
         workload = from_nri(pod, container)
         self._latest_sandbox[pod.uid] = pod.id
         try:
@@ -304,7 +318,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
                 )
                 # False: answered with an error meanwhile; what was committed already is
                 # audited, and released again by the late part (daemon/deadline.py).
-                proceed = self._answer((adjust, updates))
+                proceed = answer((adjust, updates))
                 if proceed and not committed:
                     (self._hold if self.runtime_lists else self._commit)(outcome)
                 elif not (proceed or committed) and siblings:
@@ -355,40 +369,6 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, TargetWriter)
                 "free space there (or fix the state directory) and the pod will be retried",
                 "not-durable",
             ) from None
-
-    def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
-        """The runtime has created the container's cgroup from its stored spec; its first
-        instruction has not run yet.  A shared container whose CreateContainer was answered
-        just before another container's exclusive allocation was created with the old pool,
-        and no write could reach it then (it had no cgroup yet; the runtime may even have
-        taken the update into its spec after the cgroup was made from the old one): its cgroup
-        is read, and written if it says anything else, so it never runs on the exclusive CPUs.
-        One read for every other container.
-
-        A shared container's cgroup is also made quick to write here (``_prepare_shared``),
-        where that costs its own start, not a later exclusive creation.  And the state its
-        creation decided is committed here (``_hold``)."""
-        self._write_held()
-        [*targets] = self.engine.update(self.state, container.id).targets
-        if not targets:
-            return
-        if container.id in self.state.sharing:
-            self._prepare_shared(container.id)
-        live = self.liveness.cpus(self.state.cgroups.get(container.id, ""))
-        created = cpus_of(container) if live is None else live
-        if created != targets[0].cpus:
-            self.audit.record(
-                "share",
-                f"{pod.namespace}/{pod.name}/{container.name} was created with CPUs "
-                f"{created or 'unknown'}; the shared pool moved meanwhile: starting it "
-                f"on {targets[0].cpus}",
-                audit_mod.INFO,
-                container_id=container.id,
-                cpus=targets[0].cpus,
-                reason="pool moved during creation",
-            )
-            # What cannot be written (systemd driver) goes with the next reply that can carry it.
-            self._owed |= {t.container_id for t in self._write_followers(targets)}
 
     def update_container(
         self, pod: pb.PodSandbox, container: pb.Container, resources: pb.LinuxResources

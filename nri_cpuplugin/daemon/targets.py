@@ -97,7 +97,7 @@ class TargetWriter:
         direct, runtime = [], []
         for target in targets:
             path = self.state.cgroups.get(target.container_id, "")
-            (direct if _cgroupfs_path(path) else runtime).append(target)
+            (direct if is_cgroupfs_path(path) else runtime).append(target)
         if direct and self.liveness.layout() is None:
             return [], runtime + direct
         return direct, runtime
@@ -144,7 +144,7 @@ class TargetWriter:
         (hardware/cpuset_files.py)."""
         path = self.state.cgroups.get(cid, "")
         layout = self.liveness.layout()
-        if layout is None or not _cgroupfs_path(path):
+        if layout is None or not is_cgroupfs_path(path):
             return
         if cid not in self._unbalanced or cid not in self._cpusets:
             with cgroupfs.CgroupFS(layout) as fs:
@@ -200,7 +200,7 @@ class TargetWriter:
         ]
 
 
-def _cgroupfs_path(path: str) -> bool:
+def is_cgroupfs_path(path: str) -> bool:
     """A cgroupsPath of the cgroupfs driver (the systemd driver's is slice:prefix:name)."""
     return bool(path) and (path.startswith("/") or path.count(":") != 2)
 

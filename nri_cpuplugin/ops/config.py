@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 DEFAULT_STATE_DIR = "/var/lib/nri-cpuplugin"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CFS_QUOTA_MODES = ("unlimited", "keep")
+PIN_AT = ("create", "start")
 # An NRI plugin name: letters, digits and _.+- (a set, not a regular expression: importing re
 # costs every OCI hook start more than a millisecond).
 _PLUGIN_NAME = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.+-")
@@ -58,6 +59,9 @@ class Settings(Value):
     nri_index: str = "50"
     # Seconds within which every NRI request is answered, decided or not (daemon/deadline.py).
     nri_request_budget: float = 1.5
+    # When the daemon decides a container: at CreateContainer, or at StartContainer (never
+    # consulted at creation; cgroupfs driver only) - docs/architecture.md, "Pinning at start".
+    nri_pin_at: str = "create"
     metrics_listen: str | None = None
     # Read Guaranteed pods' interfaces when their sandbox starts (daemon/pod_nics.py).
     nic_read_ahead: bool = True
@@ -90,6 +94,7 @@ _TABLES = {
         "name": "nri_name",
         "index": "nri_index",
         "request_budget": "nri_request_budget",
+        "pin_at": "nri_pin_at",
     },
     "metrics": {"listen": "metrics_listen"},
 }
@@ -251,6 +256,8 @@ def _check(field: str, value: Any, where: str) -> Any:
         return tuple(value)
     if field == "cfs_quota":
         return _choice(value, CFS_QUOTA_MODES, where)
+    if field == "nri_pin_at":
+        return _choice(value, PIN_AT, where)
     if field in ("nic_read_ahead", "earmark_pods"):
         if type(value) is not bool:
             raise ConfigError(f"{where} = {value!r}: expected true or false")

@@ -1,10 +1,11 @@
 """Dense nodes: what creating an exclusive container costs while N shared containers run.
 
-Three private containerd instances of one version side by side, one with ``nri-cpuplugin run``,
-one with a plugin that changes nothing (the floor of any plugin) and one with no plugin, each
-running the same N Burstable containers; a Guaranteed 1-CPU container is created (and started)
-on each in turn.  With the plugin, every shared container must leave the new exclusive CPU
-before CreateContainer returns.
+Four private containerd instances of one version side by side: two with ``nri-cpuplugin run``
+(deciding at CreateContainer, the default, and with ``[nri] pin_at = "start"``), one with a
+plugin that changes nothing (the floor of any plugin) and one with no plugin, each running the
+same N Burstable containers; a Guaranteed 1-CPU container is created (and started) on each in
+turn.  With the plugin, every shared container must leave the new exclusive CPU before
+CreateContainer returns, and the container must run on it from its first instruction.
 """
 
 from __future__ import annotations
@@ -33,28 +34,35 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
     StartContainer), its container stopped (which gives the CPU back to them) and created
     again in the same pod (a restart), then the pod removed: with the plugin, a no-op plugin
     and no plugin, in turn (who goes first rotates)."""
-    sides = ("plugin", "noop", "none")
+    sides = ("plugin", "start", "noop", "none")
+    pinned_sides = ("plugin", "start")
     timed = ("sandbox", "create", "start", "stop", "recreate")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         runtimes = {side: stack.enter_context(Containerd(version, debug=False)) for side in sides}
         daemon = Daemon(runtimes["plugin"].nri_socket, Path(tmp) / "state").start()
         stack.callback(daemon.stop)
+        config = Path(tmp) / "pin-at-start.toml"
+        config.write_text('[nri]\npin_at = "start"\n')
+        at_start = Daemon(runtimes["start"].nri_socket, Path(tmp) / "state-start", config=config)
+        stack.callback(at_start.start().stop)
         stack.callback(noop_plugin(runtimes["noop"].nri_socket).kill)
-        shared_pids = []
+        shared_pids: dict[str, list[int]] = {side: [] for side in pinned_sides}
         shared_ids: list[str] = []
         for side, runtime in runtimes.items():
             cri = runtime.cri()
             for i in range(running):
                 pod = cri.run(f"shared{i}", [ContainerSpec(f"s{i}", cpu_request_milli=100)])
+                if side in pinned_sides:
+                    shared_pids[side].append(cri.inspect(pod[f"s{i}"]).pid)
                 if side == "plugin":
-                    shared_pids.append(cri.inspect(pod[f"s{i}"]).pid)
                     shared_ids.append(pod[f"s{i}"])
         times: dict[str, dict[str, list[float]]] = {
             what: {side: [] for side in sides} for what in timed
         }
-        window_open = 0
+        window_open = dict.fromkeys(pinned_sides, 0)
+        misplaced = dict.fromkeys(pinned_sides, 0)
         for i in range(rounds + 2):
-            order = sides[i % 3 :] + sides[: i % 3]
+            order = sides[i % len(sides) :] + sides[: i % len(sides)]
             spec = ContainerSpec.guaranteed(f"g{i}", 1)
             pods = {}
             for side in order:
@@ -64,10 +72,14 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
                 marks.append(time.perf_counter())
                 cid = cri.create_container(pod, spec)
                 marks.append(time.perf_counter())
-                if side == "plugin":  # the window: every shared container off CPU 1 already
-                    window_open += sum(host.cpus_allowed_list(p) != "0" for p in shared_pids)
+                if side in pinned_sides:  # the window: every shared container off CPU 1 already
+                    window_open[side] += sum(
+                        host.cpus_allowed_list(p) != "0" for p in shared_pids[side]
+                    )
                 cri.start(cid)
                 marks.append(time.perf_counter())
+                if side in pinned_sides:
+                    misplaced[side] += host.cpus_allowed_list(cri.inspect(cid).pid) != "1"
                 cri.stop(cid, timeout=0)
                 marks.append(time.perf_counter())
                 cri.remove(cid)
@@ -91,6 +103,7 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
                 cri.remove_pod(pods[side])
         converge = _convergence(runtimes["plugin"], daemon, shared_ids)
     ratios = {what: _ratio(times[what]["plugin"], times[what]["none"]) for what in timed}
+    at_start_ratios = {what: _ratio(times[what]["start"], times[what]["none"]) for what in timed}
     return {
         "version": version,
         "running": running,
@@ -103,8 +116,18 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
         "sandbox_ratio": ratios["sandbox"],
         "recreate_ratio": ratios["recreate"],
         "noop_create_ratio": _ratio(times["create"]["noop"], times["create"]["none"]),
-        "window_open": window_open,
+        "window_open": window_open["plugin"],
+        "misplaced": misplaced["plugin"],
         "converge_s": converge,
+        "at_start": {
+            "create_ratio": at_start_ratios["create"],
+            "create_start_ratio": at_start_ratios["start"],
+            "sandbox_ratio": at_start_ratios["sandbox"],
+            "stop_ratio": at_start_ratios["stop"],
+            "recreate_ratio": at_start_ratios["recreate"],
+            "window_open": window_open["start"],
+            "misplaced": misplaced["start"],
+        },
     }
 
 
@@ -206,6 +229,7 @@ def plot_density(results: list[dict], out: Path) -> None:
         xs = [r["running"] for r in rows]
         for what, side, dash, how in (
             ("create", "plugin", "-", "with nri-cpuplugin, new pod"),
+            ("create", "start", "-.", 'with nri-cpuplugin, pin_at = "start", new pod'),
             ("recreate", "plugin", ":", "with nri-cpuplugin, restart in its pod"),
             ("create", "none", "--", "no plugin"),
         ):

@@ -558,8 +558,9 @@ def section_density(quick: bool) -> list[str]:
         "",
         "A Guaranteed pod with one 1-CPU container started as kubelet starts it "
         "(RunPodSandbox with the pod's resources, CreateContainer, StartContainer) while N "
-        "Burstable containers run; three private containerd instances of one version side by "
-        "side, one with `nri-cpuplugin run`, one with a plugin that changes nothing (*no-op "
+        "Burstable containers run; four private containerd instances of one version side by "
+        'side, one with `nri-cpuplugin run`, one with its `pin_at = "start"` (below), '
+        "one with a plugin that changes nothing (*no-op "
         "ratio*: the floor of any plugin, measured in the same run) and one with no plugin, in "
         f"turn, {rounds} rounds each, a new pod each round. The daemon earmarks CPU 1 for the "
         "pod when its sandbox starts and moves the shared containers off it then, by writing "
@@ -595,8 +596,36 @@ def section_density(quick: bool) -> list[str]:
             f"{r['recreate_ratio']:.2f} | {r['converge_s']:.2f} s |"
         )
     lines += ["", f"![create latency against running shared containers]({plot.name})", ""]
+    lines += _pinned_at_start(results)
     lines += _dense_budget(results, counts)
     return lines + _nic_read_ahead(versions, 8 if quick else 30)
+
+
+def _pinned_at_start(results: list[dict]) -> list[str]:
+    lines = [
+        "### Pinning at start",
+        "",
+        'The same rounds, on a fourth containerd whose daemon runs with `[nri] pin_at = "start"`: '
+        "it is not consulted at CreateContainer, and decides each container at its "
+        "StartContainer, before the first instruction (the cgroupfs driver only; "
+        'docs/architecture.md, "Pinning at start"). Ratios against the same no-plugin side. '
+        "*Window open* as above (the earmark moved the shared containers when the pod "
+        "started); *misplaced* counts started exclusive containers not on CPU 1 alone (also "
+        "counted for the default daemon: " + ", ".join(f"{r['misplaced']}" for r in results) + ").",
+        "",
+        "| containerd (NRI) | running shared | create ratio | create+start ratio | "
+        "RunPodSandbox ratio | window open | misplaced | stop ratio | restart ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        a = r["at_start"]
+        label = f"{CONTAINERD_RELEASES[r['version']]} ({CONTAINERD_NRI[r['version']]})"
+        lines.append(
+            f"| {label} | {r['running']} | {a['create_ratio']:.2f} | "
+            f"{a['create_start_ratio']:.2f} | {a['sandbox_ratio']:.2f} | {a['window_open']} | "
+            f"{a['misplaced']} | {a['stop_ratio']:.2f} | {a['recreate_ratio']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def _dense_budget(results: list[dict], counts: tuple[int, ...]) -> list[str]:

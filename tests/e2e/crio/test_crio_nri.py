@@ -220,3 +220,25 @@ def test_runtime_launched_plugin_pins_and_comes_back_with_crio(
     wait_for("the shared container to get CPU 1 back", lambda: host.cpus_allowed_list(pid) == ALL)
     state = settled_state(state_dir)
     assert state["assignments"] == {} and shared["s"] in state["sharing"]
+
+
+def test_pinned_at_start_when_asked_to(crio: Crio, crio_cri: CRIClient, tmp_path: Path) -> None:
+    """``[nri] pin_at = "start"``: CRI-O too sends StartContainer before the container's first
+    instruction, so the daemon, never consulted at CreateContainer, pins it there."""
+    cri = crio_cri
+    config = tmp_path / "config.toml"
+    config.write_text('[nri]\npin_at = "start"\n')
+    daemon = Daemon(crio.nri_socket, tmp_path / "state", config=config).start()
+    try:
+        noisy = cri.run("noisy", [burstable("burner")])
+        spec = guaranteed("victim", command=FIRST_LINE)
+        pod_id = cri.run_pod(PodSpec.for_containers("latency", [spec]))
+        cid = cri.create_container(pod_id, spec)
+        assert cid not in daemon.state()["assignments"]  # not asked at its creation
+        cri.start(cid)
+        assert cri.wait_logs(cid, 1) == ["Cpus_allowed_list:\t1"]
+        assert host.cpus_allowed_list(cri.inspect(noisy["burner"]).pid) == "0"
+        assert host.read_cgroup(cri.cgroup_path(cid), "cpu.cfs_quota_us", "cpu") == "-1"
+        check_agreement(daemon, cri)
+    finally:
+        daemon.stop()
