@@ -252,6 +252,7 @@ class CPUPlugin(StateKeeping, HotplugEvents, UnverifiedContainers, Starts, Targe
         self._cpusets.keep_only(specs)
         self.pod_nics.keep_only(pod.id for pod in pods)
         self._latest_sandbox = latest
+        self._warn_unserved_driver(specs.values())
         owed, self._owed = self._owed, set()  # carried by this reply (below)
         self.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
         self.audit.emit(outcome.events)

@@ -19,6 +19,8 @@ do."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..core.engine import Target
 from ..core.policy import PolicyError
 from ..core.workload import from_nri
@@ -114,6 +116,23 @@ class Starts:
             raise err
         _, updates = self._decide_creation(pod, container, _no_reply)  # type: ignore[attr-defined]
         self._owed |= {update.container_id for update in updates}
+
+    def _warn_unserved_driver(self, containers: Iterable[pb.Container]) -> None:
+        """At Synchronize: pinning at start on a node whose containers use the systemd cgroup
+        driver refuses every start; said once per connection, before the first refusal."""
+        if self.settings.nri_pin_at != "start":
+            return
+        unserved = [c for c in containers if not is_cgroupfs_path(c.linux.cgroups_path)]
+        if unserved:
+            self.audit.record(
+                "config",
+                f'[nri] pin_at = "start" serves the cgroupfs cgroup driver only, but '
+                f"{len(unserved)} of the runtime's containers have other cgroup paths (like "
+                f"{unserved[0].linux.cgroups_path!r}): new containers like them will be "
+                'refused at their start; set pin_at = "create" (the default)',
+                audit_mod.ERR,
+                reason="pin_at start needs cgroupfs",
+            )
 
     def _write_at_start(self, pod: pb.PodSandbox, container: pb.Container, target: Target) -> None:
         """Write the container's own cgroup (cpuset, and an exclusive one's memory nodes and

@@ -104,10 +104,15 @@ def test_a_container_of_the_systemd_driver_is_refused_with_what_to_do(tmp_path):
     db = guaranteed_pod("db", 2000)
     pg = container("pg", db, 2000)
     pg.linux.cgroups_path = "kubepods-poddb.slice:cri-containerd:pg"
+    web = pod("web", "burstable")
+    running = container("nginx", web, 500)
+    running.linux.cgroups_path = "kubepods-burstable-podweb.slice:cri-containerd:nginx"
 
     async def scenario():
         await plugin.configure("", "containerd", "v2.1.9")
-        await plugin.synchronize([], [])
+        await plugin.synchronize([web], [running])  # said at once, before any refusal
+        [warning] = [r for r in records.of("config") if r.get("REASON")]
+        assert "1 of the runtime's containers" in warning["MESSAGE"]
         with pytest.raises(PolicyError, match=r'systemd.*set pin_at = "create"'):
             await plugin.start_container(db, pg)
 
