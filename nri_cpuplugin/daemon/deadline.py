@@ -156,26 +156,19 @@ class DeadlinePlugin(LateWork, CPUPlugin):
     ) -> tuple[pb.ContainerAdjustment, list[pb.ContainerUpdate]]:
         if (early := self._earmarked_now(pod, container)) is not None:
             return early, []
-        job = self.worker.submit(
-            "CreateContainer", self._create_job, pod, container,
-            late=self._create_late, refusable=True,
-        )  # fmt: skip
-        budget = self.budget
-        if await self.worker.finished(job, budget):
+        job, workload = await self._decision(
+            "CreateContainer", self._create_job, self._create_late, pod, container, "created"
+        )
+        if workload is None:
             return job.outcome()
-        workload = from_nri(pod, container)
-        job.subject = describe(workload)
-        if self._eligible(workload):
-            return self._exclusive_missed(job, budget, workload, "created")
         target = self.engine.target(self.state, container.id)
         job.answered_cpus = str(target.cpus)  # before abandon(): the late job compares with it
         if not job.abandon(FALLBACK):
             return job.outcome()
         adjust = pb.ContainerAdjustment()
         fill_cpu(adjust.linux.resources.cpu, target)
-        self._missed(
-            job, budget, f"the shared pool {target.cpus}", workload.identity(), cpus=target.cpus
-        )
+        answered = f"the shared pool {target.cpus}"
+        self._missed(job, self.budget, answered, workload.identity(), cpus=target.cpus)
         return adjust, []
 
     def _earmarked_now(
@@ -241,21 +234,13 @@ class DeadlinePlugin(LateWork, CPUPlugin):
             )  # fmt: skip
             return
         # [nri] pin_at = "start": this decides the container, missed as a creation is.
-        job = self.worker.submit(
-            "StartContainer", self._start_job, pod, container,
-            late=self._start_late, refusable=True,
-        )  # fmt: skip
-        budget = self.budget
-        if await self.worker.finished(job, budget):
-            return job.outcome()
-        workload = from_nri(pod, container)
-        job.subject = describe(workload)
-        if self._eligible(workload):
-            return self._exclusive_missed(job, budget, workload, "started")
-        if not job.abandon(FALLBACK):
+        job, workload = await self._decision(
+            "StartContainer", self._start_job, self._start_late, pod, container, "started"
+        )
+        if workload is None or not job.abandon(FALLBACK):
             return job.outcome()
         # It starts on its pod's CPUs; the job writes the shared pool when it ends.
-        self._missed(job, budget, "an empty reply", workload.identity())
+        self._missed(job, self.budget, "an empty reply", workload.identity())
 
     async def remove_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
         await self._answered(
@@ -438,11 +423,29 @@ class DeadlinePlugin(LateWork, CPUPlugin):
         )
         return why
 
-    def _exclusive_missed(self, job: Job, budget: float, workload: Workload, verb: str) -> Any:
-        """An exclusive candidate not decided within the budget is refused (kubelet retries
-        it); the job's outcome if it ended meanwhile."""
+    async def _decision(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        late: Callable[[Job], None],
+        pod: pb.PodSandbox,
+        container: pb.Container,
+        verb: str,
+    ) -> tuple[Job, Workload | None]:
+        """A container's decision on the worker, within the budget: (job, None) when the job's
+        outcome is the answer; (job, workload) when a shared container's fallback is the
+        caller's to give.  An exclusive candidate not decided in time is refused: kubelet
+        retries it."""
+        job = self.worker.submit(name, fn, pod, container, late=late, refusable=True)
+        budget = self.budget
+        if await self.worker.finished(job, budget):
+            return job, None
+        workload = from_nri(pod, container)
+        job.subject = describe(workload)
+        if not self._eligible(workload):
+            return job, workload
         if not job.abandon(ERROR):
-            return job.outcome()
+            return job, None  # it ended meanwhile
         self.metrics.pinning_request()
         self.metrics.pinning_error()
         why = self._missed(job, budget, "an error", workload.identity())
