@@ -32,8 +32,9 @@ def bench_dense_create(version: str, running: int, rounds: int) -> dict:
     """A Guaranteed pod with a 1-CPU container started beside ``running`` shared containers,
     as kubelet starts it (RunPodSandbox with the pod's resources, CreateContainer,
     StartContainer), its container stopped (which gives the CPU back to them) and created
-    again in the same pod (a restart), then the pod removed: with the plugin, a no-op plugin
-    and no plugin, in turn (who goes first rotates)."""
+    again in the same pod (a restart), then the pod removed: with the plugin deciding at
+    creation, with it pinning at start, with a no-op plugin and with no plugin, in turn (who
+    goes first rotates)."""
     sides = ("plugin", "start", "noop", "none")
     pinned_sides = ("plugin", "start")
     timed = ("sandbox", "create", "start", "stop", "recreate")
