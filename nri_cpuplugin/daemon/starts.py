@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.engine import Target
-from ..core.policy import PolicyError
+from ..core.policy import PolicyError, describe
 from ..core.workload import from_nri
 from ..hardware import cpusets
 from ..nri.pb import nri_pb2 as pb
@@ -105,14 +105,15 @@ class Starts:
         path = container.linux.cgroups_path
         if not is_cgroupfs_path(path):
             which = f"the systemd cgroup driver's path {path!r}" if path else "no cgroup path"
+            workload = from_nri(pod, container)
             err = PolicyError(
-                f'{_name(pod, container)} has {which}, but [nri] pin_at = "start" writes each '
+                f'{describe(workload)} has {which}, but [nri] pin_at = "start" writes each '
                 "container's cgroup directly, which only the cgroupfs driver allows (systemd "
                 'would undo it): set pin_at = "create" (the default) in the plugin\'s '
                 "configuration, or run the runtime with the cgroupfs driver",
                 "config",
             )
-            self.audit.emit([self.engine.refused(from_nri(pod, container), err)])
+            self.audit.emit([self.engine.refused(workload, err)])
             raise err
         _, updates = self._decide_creation(pod, container, _no_reply)  # type: ignore[attr-defined]
         self._owed |= {update.container_id for update in updates}
@@ -137,21 +138,17 @@ class Starts:
     def _write_at_start(self, pod: pb.PodSandbox, container: pb.Container, target: Target) -> None:
         """Write the container's own cgroup (cpuset, and an exclusive one's memory nodes and
         quota); refused when it cannot be, rather than started on its pod's CPUs."""
-        path = self.state.cgroups.get(target.container_id, "")
+        write = self._cgroup_target(target)  # type: ignore[attr-defined]
         layout = self.liveness.layout()
         if layout is None:
             errors = ["no cgroup filesystem found"]
         else:
-            write = cpusets.Target(
-                target.container_id, path, target.cpus, target.mems, target.quota,
-                target.mems_from_parent,
-            )  # fmt: skip
             errors = cpusets.move(layout, [write], self._unbalanced, self._cpusets).errors
         if errors:
             raise PolicyError(
-                f"the CPUs {target.cpus} decided for {_name(pod, container)} could not be "
-                f"written to its cgroup {path!r} ({'; '.join(errors)}): it is not started now, "
-                "and kubelet retries it",
+                f"the CPUs {target.cpus} decided for {describe(from_nri(pod, container))} "
+                f"could not be written to its cgroup {write.runtime_path!r} "
+                f"({'; '.join(errors)}): it is not started now, and kubelet retries it",
                 "cgroup-write",
             )
 
@@ -159,7 +156,3 @@ class Starts:
 def _no_reply(reply: object) -> bool:
     # The decision's reply is StartContainer's own, once the container's cgroup is written.
     return True
-
-
-def _name(pod: pb.PodSandbox, container: pb.Container) -> str:
-    return f"container {pod.namespace}/{pod.name}/{container.name}"

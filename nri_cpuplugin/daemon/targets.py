@@ -120,14 +120,7 @@ class TargetWriter:
             )
         )
         writes = [
-            cpusets.Target(
-                t.container_id,
-                self.state.cgroups[t.container_id],
-                t.cpus,
-                t.mems,
-                t.quota,
-                t.mems_from_parent,
-            )
+            self._cgroup_target(t)
             for t in direct
             if t.container_id in left
             or t.mems is not None
@@ -136,6 +129,17 @@ class TargetWriter:
         ]
         failed = set(cpusets.move(layout, writes, self._unbalanced, self._cpusets).failed)
         return [t for t in direct if t.container_id in failed]
+
+    def _cgroup_target(self, target: Target) -> cpusets.Target:
+        """``target`` as hardware/cpusets.py writes it, at the container's cgroup."""
+        return cpusets.Target(
+            target.container_id,
+            self.state.cgroups.get(target.container_id, ""),
+            target.cpus,
+            target.mems,
+            target.quota,
+            target.mems_from_parent,
+        )
 
     def _prepare_shared(self, cid: str) -> None:
         """Make a shared container's cgroup quick to write when an exclusive container comes
