@@ -128,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .daemon.deadline import DeadlinePlugin
+    from .daemon.service import Daemon
     from .nri.stub import Stub
     from .ops.audit import Audit
 
@@ -138,14 +138,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        plugin = DeadlinePlugin(base, Audit(), flags)
+        daemon = Daemon(base, Audit(), flags)
         stub = Stub.from_environment(
-            plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
-            observe=plugin.observe_request,
+            daemon.adapter, settings.nri_name, settings.nri_index, settings.nri_socket,
+            observe=daemon.observe_request,
         )  # fmt: skip
-        plugin.stub = stub
+        daemon.stub = stub
         if stub.launched_fd is None:
-            plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
+            daemon.load_state()  # daemon: ready before the runtime is; launched: after Configure
     except (UsageError, TopologyError, ConfigError, PolicyError):
         raise  # main(): one line, exit 2
     except PluginError as err:
@@ -159,18 +159,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stub.stop)
         if stub.launched_fd is None:
-            await plugin.start_metrics()  # launched: once the runtime's config is known
-            plugin.start_hotplug()  # follow CPUs going offline/online even while disconnected
+            await daemon.start_metrics()  # launched: once the runtime's config is known
+            daemon.start_hotplug()  # follow CPUs going offline/online even while disconnected
         try:
             await stub.run()
         finally:
-            plugin.stop_hotplug()
-            # Work answered before it was done (a release behind a busy lock) is committed
-            # before we go, if it can be soon; what cannot, the next start finds by itself.
-            await plugin.drain()
+            daemon.stop_hotplug()
+            await daemon.drain()
 
     asyncio.run(serve())
-    plugin.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")
+    daemon.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")
     return 0
 
 
