@@ -256,7 +256,7 @@ FALLBACKS: dict[type, Callable[[Node, Any], tuple[str, Effects]]] = {
 }
 # How the audit record names a fallback.
 ANSWERED: dict[type, Callable[[Effects], str]] = {
-    ev.CreateContainer: lambda fb: f"the shared pool {fb.own.cpus}",
+    ev.CreateContainer: lambda fb: f"the shared pool {fb.own.cpus if fb.own else ''}",
     ev.StartContainer: lambda fb: "an empty reply",
     ev.UpdateContainer: lambda fb: "its cpuset kept",
     ev.StopContainer: lambda fb: "no updates",

@@ -6,6 +6,8 @@ the reply leaves, and what the writer cannot write comes back as reply updates o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..base.value import Value
 from ..core.engine import Target
 from .events import Owe, Release, Restore
@@ -30,3 +32,12 @@ class Effects(Value):
 
 
 NO_EFFECTS = Effects()
+
+# Hands a reply to the runtime before the rest of an event's work is done; False when the
+# request was answered with an error meanwhile (nothing more may be decided for it).
+Deliver = Callable[[Effects], bool]
+
+
+def keep(effects: Effects) -> bool:
+    """Deliver outside the worker: the reply goes when the handler returns."""
+    return True

@@ -37,7 +37,7 @@ class Daemon:
         self,
         settings: Settings,
         audit: Audit,
-        flags: Mapping[str, Any] = (),
+        flags: Mapping[str, Any] | None = None,
         units: Units | None = None,
     ) -> None:
         self.audit = audit

@@ -1,7 +1,15 @@
 """The daemon's state file: its store and lock, the claim that makes an OCI hook on this node
-stand aside, and writing the state in memory - now, or later where a crash between the two
-loses nothing (daemon/node.py has the rule; docs/architecture.md, "When the state is
-committed")."""
+stand aside, and when the state decided is written (docs/architecture.md, "When the state is
+committed").
+
+**The commit rule** (``commit_point``): a decision is written before its answer leaves, so a
+crash can lose an answer but never a decision - except where the runtime gives every such
+decision back after a crash.  Once the runtime lists its containers at each connection
+(Synchronize), a creation's state is held in memory and written by the container's
+StartContainer, before its first instruction, and a stop's right after its answer: a crash in
+between loses nothing the runtime would not list again.  Before that, an exclusive decision
+must be durable before its answer, and a shared creation is written right after its answer.
+Every other event's decision is written before its answer."""
 
 from __future__ import annotations
 
@@ -13,6 +21,10 @@ from ..core.state import NodeState
 from ..storage import owner
 from ..storage.store import CommitTiming, StateStore
 from .progress import COMMIT, STATE_LOCK, NoProgress, Progress
+
+# The events the commit rule tells apart, and when their decisions are written.
+CREATION, STOP = "creation", "stop"
+BEFORE_ANSWER, AFTER_ANSWER, AT_START = "before-answer", "after-answer", "at-start"
 
 # How long to wait for another daemon's claim on the state directory to go (storage/owner.py):
 # a runtime-launched one exits when its runtime restarts.  Inside the Configure deadline.
@@ -84,3 +96,11 @@ class StateFile:
         if self._claim is not None:
             os.close(self._claim[1])
             self._claim = None
+
+
+def commit_point(kind: str, exclusive: bool, runtime_lists: bool) -> str:
+    """When a creation's (``CREATION``) or a stop's (``STOP``) decision is written: the rule
+    of the module text."""
+    if runtime_lists:
+        return AT_START if kind == CREATION else AFTER_ANSWER
+    return AFTER_ANSWER if kind == CREATION and not exclusive else BEFORE_ANSWER

@@ -221,7 +221,7 @@ class Worker:
 
     def _pin(self, cpu: int | None) -> None:
         """Keep the thread to ``cpu``; None: to the loop's CPUs."""
-        assert self._thread is not None
+        assert self._thread is not None and self._thread.native_id is not None
         try:
             cpus = os.sched_getaffinity(0) if cpu is None else (cpu,)
             os.sched_setaffinity(self._thread.native_id, cpus)

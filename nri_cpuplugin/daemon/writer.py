@@ -53,7 +53,8 @@ class CgroupWriter:
     def write(self, targets: Iterable[cpusets.Target]) -> list[str]:
         """Write each target; returns the ids of those the runtime must apply after all (no
         cgroup path, another driver, or a write that failed)."""
-        runtime, direct = [], []
+        runtime: list[cpusets.Target] = []
+        direct: list[cpusets.Target] = []
         for target in targets:
             (direct if self.can_write(target.runtime_path) else runtime).append(target)
         if not direct:
