@@ -265,9 +265,8 @@ class StaticPolicy:
         claimed = mark.claimed_milli + used
         keep = max(0, (mark.limit_milli - claimed) // 1000)
         earmarks = dict(state.earmarks)
-        if keep:
-            # The lowest ids stay: the allocator chose them as one compact set.
-            cpus = CPUSet(sorted(mark.cpus)[:keep])
+        cpus = self._trimmed(mark.cpus, keep)
+        if cpus:
             earmarks[workload.pod_uid] = mark.evolve(
                 cpus=cpus, claimed_milli=claimed, claimants=(*mark.claimants, name)
             )
@@ -275,6 +274,17 @@ class StaticPolicy:
             del earmarks[workload.pod_uid]
         new_state = state.evolve(earmarks=earmarks)
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
+
+    def _trimmed(self, earmarked: CPUSet, keep: int) -> CPUSet:
+        """The ``keep`` CPUs of an earmark that stay earmarked, chosen from it by topology as
+        a request of that size would be (whole cores; ids alone would split them: a core's
+        threads are N and N+24 on a 48-thread part): as many as can be chosen so."""
+        for count in range(min(keep, len(earmarked)), 0, -1):
+            try:
+                return self.allocator.allocate(earmarked, count)
+            except AllocationError:
+                continue
+        return CPUSet()
 
     def _assign(
         self, state: NodeState, workload: Workload, cpus: CPUSet, nic: NICPreference | None = None

@@ -117,6 +117,10 @@ class NRIAdapter:
             updates.append(update_of(effects.own, ignore_failure=False))
         return updates
 
+    async def post_update_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
+        event = ev.UpdatedContainer(from_nri(pod, container), stored(container))
+        await self.deadline.handle(event)
+
     async def stop_container(
         self, pod: pb.PodSandbox, container: pb.Container
     ) -> list[pb.ContainerUpdate]:

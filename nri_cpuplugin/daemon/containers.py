@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..core.cpuset import CPUSet
 from ..core.engine import Outcome, Target
 from ..core.policy import PolicyError, describe
 from ..core.workload import Workload
@@ -174,18 +175,66 @@ def _set_right_at_start(node: Node, event: ev.StartContainer) -> None:
         if created != target.cpus or target.exclusive:
             _write_at_start(node, event, target)
     elif created != target.cpus:
+        # Created with a pool that moved meanwhile (no write could reach it: it had no
+        # cgroup yet).  Refused rather than started on another container's CPUs.
+        _set_right(node, workload, targets, created, "pool moved during creation", refuse=True)
+
+
+def after_update(node: Node, event: ev.UpdatedContainer, deliver: Deliver = keep) -> Effects:
+    """PostUpdateContainer: the runtime has applied the update, our answer's entry for the
+    container among it.  It applies that entry after its NRI call has returned, outside the
+    lock that orders the other events (docs/nri-wire.md §11.3): a decision made in between
+    (another pod's earmark, an exclusive creation) shrank the pool our answer named, and the
+    runtime just put the container back on it.  Set right now, whatever the order was."""
+    cid = event.workload.container_id
+    [*targets] = node.engine.update(node.state, cid).targets
+    if not targets:
+        return NO_EFFECTS
+    live = node.liveness.cpus(node.state.cgroups.get(cid, ""))
+    applied = event.stored.cpus if live is None else live
+    if applied != targets[0].cpus:
+        _set_right(node, event.workload, targets, applied, "older answer applied", refuse=False)
+    return NO_EFFECTS
+
+
+def _set_right(
+    node: Node, workload: Workload, targets: list[Target], on: CPUSet, why: str, refuse: bool
+) -> None:
+    """Write a container found on CPUs ``on`` instead of its target, and say which happened:
+    moved, or left for the runtime's next reply (owed).  Left on exclusive CPUs, a container
+    about to start is refused (``refuse``); one running can only be owed, said loudly."""
+    target = targets[0]
+    cid = workload.container_id
+    name = f"{workload.pod_namespace}/{workload.pod_name}/{workload.container_name}"
+    fields = {"container_id": cid, "cpus": target.cpus, "reason": why}
+    if not node.routes.write(targets, node.state):
         node.audit.record(
             "share",
-            f"{event.pod.namespace}/{event.pod.name}/{workload.container_name} was created "
-            f"with CPUs {created or 'unknown'}; the shared pool moved meanwhile: starting "
-            f"it on {target.cpus}",
+            f"{name} was on CPUs {on or 'unknown'} ({why}): moved to {target.cpus}",
             audit_mod.INFO,
-            container_id=cid,
-            cpus=target.cpus,
-            reason="pool moved during creation",
+            moved="yes",
+            **fields,
         )
-        unwritten = node.routes.write(targets, node.state)
-        node.owed.add(t.container_id for t in unwritten)
+        return
+    taken = on & node.state.exclusive
+    if taken and refuse:
+        raise PolicyError(
+            f"{describe(workload)} was created with CPUs {on}, of which {taken} are exclusive "
+            f"now, and it could not be moved to the shared pool {target.cpus} "
+            f"({node.writer.why_not(node.state.cgroups.get(cid, ''))}): it is not started "
+            "now, and kubelet retries it",
+            "cgroup-write",
+        )
+    node.owed.add([cid])
+    node.audit.record(
+        "share",
+        f"{name} is on CPUs {on or 'unknown'} ({why}) and could not be moved to {target.cpus}: "
+        f"owed to the runtime's next reply"
+        + (f"; until then it runs on exclusive CPUs {taken}" if taken else ""),
+        audit_mod.WARNING if taken else audit_mod.INFO,
+        moved="owed",
+        **fields,
+    )
 
 
 def _create_at_start(node: Node, event: ev.StartContainer) -> ev.Release | None:
@@ -195,11 +244,10 @@ def _create_at_start(node: Node, event: ev.StartContainer) -> ev.Release | None:
     workload = event.workload
     path = workload.cgroup_path
     if not node.writer.can_write(path):
-        which = f"the cgroup {path!r}, which this daemon cannot write" if path else "no cgroup"
         err = PolicyError(
-            f'{describe(workload)} has {which}, but [nri] pin_at = "start" writes each '
-            'container\'s cgroup itself: set pin_at = "create" (the default) in the '
-            "plugin's configuration",
+            f'{describe(workload)} has {node.writer.why_not(path)}, but [nri] pin_at = "start" '
+            'writes each container\'s cgroup itself: set pin_at = "create" (the default) in '
+            "the plugin's configuration",
             "config",
         )
         node.audit.emit([node.engine.refused(workload, err)])

@@ -27,6 +27,7 @@ containers' cgroup writes that precede a creation's answer.  So:
                                                         empty reply for a shared one
   UpdateContainer resizing around exclusive CPUs        an error (kubelet retries the resize)
   UpdateContainer otherwise                             the current cpuset, kept
+  PostUpdateContainer                                   (empty)
   StopContainer, Synchronize                            no updates
   RemoveContainer, RemovePodSandbox, UpdatePodSandbox,  (empty)
   RunPodSandbox, StartContainer otherwise
@@ -70,6 +71,7 @@ REQUESTS = {
     ev.CreateContainer: "CreateContainer",
     ev.StartContainer: "StartContainer",
     ev.UpdateContainer: "UpdateContainer",
+    ev.UpdatedContainer: "PostUpdateContainer",
     ev.StopContainer: "StopContainer",
     ev.RemoveContainer: "RemoveContainer",
     ev.RunPodSandbox: "RunPodSandbox",
@@ -247,6 +249,7 @@ FALLBACKS: dict[type, Callable[[Node, Any], tuple[str, Effects]]] = {
     ev.CreateContainer: _creation,
     ev.StartContainer: _start,
     ev.UpdateContainer: _update,
+    ev.UpdatedContainer: _nothing,
     ev.StopContainer: _nothing,
     ev.Synchronize: _nothing,
     ev.RemoveContainer: _nothing,
@@ -259,6 +262,7 @@ ANSWERED: dict[type, Callable[[Effects], str]] = {
     ev.CreateContainer: lambda fb: f"the shared pool {fb.own.cpus if fb.own else ''}",
     ev.StartContainer: lambda fb: "an empty reply",
     ev.UpdateContainer: lambda fb: "its cpuset kept",
+    ev.UpdatedContainer: lambda fb: "an empty reply",
     ev.StopContainer: lambda fb: "no updates",
     ev.Synchronize: lambda fb: "no updates",
     ev.RemoveContainer: lambda fb: "an empty reply",

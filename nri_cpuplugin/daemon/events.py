@@ -88,6 +88,13 @@ class UpdateContainer(Value):
     resize: bool  # a new CPU request (kubelet's in-place resize); else the cpuset is kept
 
 
+class UpdatedContainer(Value):
+    """PostUpdateContainer: the runtime has applied an update (ours among it)."""
+
+    workload: Workload
+    stored: Stored
+
+
 class StopContainer(Value):
     workload: Workload
 

@@ -305,6 +305,7 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.CreateContainer: containers.create,
     ev.StartContainer: containers.start,
     ev.UpdateContainer: containers.update,
+    ev.UpdatedContainer: containers.after_update,
     ev.StopContainer: containers.stop,
     ev.RemoveContainer: containers.remove,
     ev.CPUsChanged: upkeep.cpus_changed,

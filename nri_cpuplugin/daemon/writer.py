@@ -50,6 +50,17 @@ class CgroupWriter:
             return False
         return is_cgroupfs_path(runtime_path) or self.units is not None
 
+    def why_not(self, runtime_path: str) -> str:
+        """What makes a cgroupsPath one this writer cannot write, as a message says it."""
+        if not runtime_path:
+            return "no cgroup path"
+        if self.liveness.layout() is None:
+            return f"the cgroup {runtime_path!r}, and no cgroup filesystem is mounted here"
+        return (
+            f"the systemd cgroup driver's unit {runtime_path!r}, and no connection to "
+            "systemd to change its properties (a direct write would be undone by systemd)"
+        )
+
     def write(self, targets: Iterable[cpusets.Target]) -> list[str]:
         """Write each target; returns the ids of those the runtime must apply after all (no
         cgroup path, another driver, or a write that failed)."""
