@@ -175,7 +175,7 @@ class NRIAdapter:
 
 
 def pod_of(pod: pb.PodSandbox) -> ev.Pod:
-    return ev.Pod(pod.uid, pod.id, pod.name, pod.namespace)
+    return ev.Pod(pod.uid, pod.id, pod.name, pod.namespace, pod.linux.cgroup_parent)
 
 
 def netns_of(pod: pb.PodSandbox) -> str | None:

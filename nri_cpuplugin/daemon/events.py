@@ -23,6 +23,7 @@ class Pod(Value):
     sandbox_id: str
     name: str = ""
     namespace: str = ""
+    cgroup_parent: str = ""  # a path (cgroupfs driver) or a slice name (systemd driver)
 
     def describe(self) -> str:
         return f"pod {self.namespace}/{self.name}"

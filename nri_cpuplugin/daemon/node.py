@@ -99,6 +99,10 @@ class Node:
         # pod's sandbox under the same uid and removes the old one later (garbage collection):
         # that removal must not take the CPUs of the new sandbox's containers.
         self.sandboxes: dict[str, str] = {}
+        # Earmarked pods the runtime listed at Synchronize -> their cgroup parent: containerd
+        # keeps no NRI state for the sandboxes it found at its own start and relays no
+        # Stop/RemovePodSandbox for them, so the sweep watches their cgroups instead.
+        self.unrelayed_pods: dict[str, str] = {}
         self.sweeping = False
         self.file = StateFile(settings.state_dir, self.progress)
         self._build(merge(settings, self.flags))  # a bad configuration fails now

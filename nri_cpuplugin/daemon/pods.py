@@ -32,6 +32,12 @@ def synchronize(node: Node, event: ev.Synchronize, deliver: Deliver = keep) -> E
     node.writer.keep_only(set(stored))
     node.pod_nics.keep_only(pod.sandbox_id for pod in event.pods)
     node.sandboxes = {c.workload.pod_uid: c.sandbox_id for c in event.live}
+    node.unrelayed_pods = {
+        pod.uid: pod.cgroup_parent
+        for pod in event.pods
+        if pod.uid in node.state.earmarks and pod.cgroup_parent
+    }
+    upkeep.start_sweep(node)
     _warn_unserved_driver(node, [c.workload.cgroup_path for c in event.live])
     owed = set(node.owed.drain())  # carried by this reply (below)
     node.pinned = CPUSet()  # the runtime's own list replaces what the cgroups suggested
@@ -102,6 +108,7 @@ def run_pod(node: Node, event: ev.RunPodSandbox, deliver: Deliver = keep) -> Eff
 def remove_pod(node: Node, event: ev.RemovePodSandbox, deliver: Deliver = keep) -> Effects:
     pod = event.pod
     node.pod_nics.forget(pod.sandbox_id)
+    node.unrelayed_pods.pop(pod.uid, None)
     if node.sandboxes.setdefault(pod.uid, pod.sandbox_id) != pod.sandbox_id:
         node.audit.record(
             "reconcile",

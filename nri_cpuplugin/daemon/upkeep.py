@@ -117,9 +117,10 @@ def recheck_evictions(node: Node, event: ev.RecheckEvictions, deliver: Deliver =
 
 
 def start_sweep(node: Node) -> None:
-    """Check the unverified containers a few at a time, so the shared pool grows back when
-    some of them ended, without any event paying for all of them."""
-    if not node.sweeping and (node.unverified or node.pinned):
+    """Check the unverified containers a few at a time, and the pods whose removal the
+    runtime may not relay, so the shared pool grows back when some of them ended, without any
+    event paying for all of them."""
+    if not node.sweeping and (node.unverified or node.pinned or node.unrelayed_pods):
         node.sweeping = node.later(SWEEP_INTERVAL, ev.SweepRound())
 
 
@@ -127,13 +128,9 @@ def sweep(node: Node, event: ev.SweepRound, deliver: Deliver = keep) -> Effects:
     """One round of the sweep; the next is scheduled while there is more to check."""
     node.sweeping = False
     try:
-        sweep_round(
-            node,
-        )
+        sweep_round(node)
     finally:  # a round that failed ends the chain; the next Configure begins a new one
-        start_sweep(
-            node,
-        )
+        start_sweep(node)
     return NO_EFFECTS
 
 
@@ -144,14 +141,37 @@ def sweep_round(node: Node) -> None:
     # cgroup (tens of milliseconds on a large node, which events wait for): not every sweep.
     node.unverified.sweeps += 1
     if node.pinned and node.unverified.sweeps % PINNED_EVERY == 0:
-        learn_pinned(
-            node,
-        )
+        learn_pinned(node)
+    forget_gone_pods(node)
     if not node.unverified:
         return
     with node.file.locked():
         outcome = forget_ended(node, limit=SWEEP_BATCH)
     node.routes.push(outcome.targets, node.state, "ended unseen")
+
+
+def forget_gone_pods(node: Node) -> None:
+    """Earmarked pods whose removal the runtime may not relay (``Node.unrelayed_pods``): one
+    whose cgroup is gone was removed, and its earmark goes back to the shared pool."""
+    for uid, parent in list(node.unrelayed_pods.items()):
+        if uid not in node.state.earmarks:
+            del node.unrelayed_pods[uid]  # claimed, or gone some other way
+        elif node.liveness.pod_gone(parent):
+            del node.unrelayed_pods[uid]
+            cpus = node.state.earmarks[uid].cpus
+            with node.file.locked():
+                outcome = node.commit(node.engine.remove_pod(node.state, uid))
+            node.audit.record(
+                "reconcile",
+                f"pod {uid} was removed without the runtime saying so (its cgroup {parent} is "
+                f"gone): CPUs {cpus} earmarked for it go back to the shared pool",
+                audit_mod.NOTICE,
+                pod_uid=uid,
+                cpus=cpus,
+                reason="pod removed unseen",
+            )
+            node.audit.emit(outcome.events)
+            node.routes.push(outcome.targets, node.state, "pod removed unseen")
 
 
 def forget_ended(node: Node, exclusive_only: bool = False, limit: int = 0) -> Outcome:
@@ -171,9 +191,7 @@ def recheck_holders(node: Node) -> bool:
     freed = bool(forget_ended(node, exclusive_only=True).events)
     if node.pinned:
         before = node.pinned
-        learn_pinned(
-            node,
-        )
+        learn_pinned(node)
         freed = freed or node.pinned != before
     return freed
 
