@@ -254,21 +254,30 @@ class StaticPolicy:
     def _claim(self, state: NodeState, workload: Workload) -> NodeState:
         """A container of an earmarked pod was created: its CPU limit is claimed, and the
         earmark keeps no more whole CPUs than the pod's containers could still ask for (the
-        rest returns to the shared pool).  Init containers claim nothing: kubelet's pod limit
-        is the larger of theirs and the app containers' sum, not the total; nor does a
-        restart (a name that claimed already)."""
+        rest returns to the shared pool).  A restart (a name that claimed already) claims
+        nothing more.  An init container's claim waits for the pod's first app container:
+        kubelet's pod limit is the larger of an init container's and the app containers' sum,
+        and counts an init container in that sum only when it runs on beside them (a sidecar,
+        a restartable init container: kubelet annotates both kinds "init")."""
         mark = state.earmarks.get(workload.pod_uid)
         name = workload.container_name
-        if mark is None or workload.kind == "init" or name in mark.claimants:
+        if mark is None or name in mark.claimants:
             return state
         used = workload.cpu_limit_milli or workload.cpu_request_milli
-        claimed = mark.claimed_milli + used
-        keep = max(0, (mark.limit_milli - claimed) // 1000)
         earmarks = dict(state.earmarks)
+        if workload.kind == "init":
+            deferred = (*mark.deferred, (workload.container_id, name, used))
+            earmarks[workload.pod_uid] = mark.evolve(deferred=deferred)
+            return state.evolve(earmarks=earmarks)
+        running = state.assignments.keys() | state.sharing.keys()
+        sidecars = [(n, milli) for cid, n, milli in mark.deferred if cid in running]
+        claimed = mark.claimed_milli + used + sum(milli for _, milli in sidecars)
+        claimants = (*mark.claimants, *(n for n, _ in sidecars), name)
+        keep = max(0, (mark.limit_milli - claimed) // 1000)
         cpus = self._trimmed(mark.cpus, keep)
         if cpus:
             earmarks[workload.pod_uid] = mark.evolve(
-                cpus=cpus, claimed_milli=claimed, claimants=(*mark.claimants, name)
+                cpus=cpus, claimed_milli=claimed, claimants=claimants, deferred=()
             )
         else:
             del earmarks[workload.pod_uid]

@@ -95,7 +95,10 @@ class Earmark(Value):
     ``claimed_milli`` what its containers created since have taken of it (``claimants``, by
     name: a restart claims nothing more): the earmark never keeps more whole CPUs than the
     difference, so what a pod cannot use goes back to the shared pool as its containers are
-    created."""
+    created.  ``deferred`` are the pod's init containers created so far, (id, name, limit):
+    kubelet's pod limit counts an init container only when it runs on beside the app
+    containers (a sidecar), so whether it claims is decided when the first app container
+    comes."""
 
     cpus: CPUSet
     sandbox_id: str
@@ -104,6 +107,7 @@ class Earmark(Value):
     claimants: tuple[str, ...] = ()
     pod_name: str = ""
     pod_namespace: str = ""
+    deferred: tuple[tuple[str, str, int], ...] = ()
 
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -202,19 +206,23 @@ def to_document(state: NodeState) -> dict[str, Any]:
         "cgroups": dict(sorted(state.cgroups.items())),
     }
     if state.earmarks:  # only when set: older documents keep their bytes and checksum
-        body["earmarks"] = {
-            uid: {
-                "cpus": str(e.cpus),
-                "sandbox_id": e.sandbox_id,
-                "limit_milli": e.limit_milli,
-                "claimed_milli": e.claimed_milli,
-                "claimants": list(e.claimants),
-                "pod_name": e.pod_name,
-                "pod_namespace": e.pod_namespace,
-            }
-            for uid, e in sorted(state.earmarks.items())
-        }
+        body["earmarks"] = {uid: _earmark_body(e) for uid, e in sorted(state.earmarks.items())}
     body["checksum"] = checksum(body)
+    return body
+
+
+def _earmark_body(e: Earmark) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "cpus": str(e.cpus),
+        "sandbox_id": e.sandbox_id,
+        "limit_milli": e.limit_milli,
+        "claimed_milli": e.claimed_milli,
+        "claimants": list(e.claimants),
+        "pod_name": e.pod_name,
+        "pod_namespace": e.pod_namespace,
+    }
+    if e.deferred:  # only when set: older documents keep their bytes and checksum
+        body["deferred"] = [list(entry) for entry in e.deferred]
     return body
 
 
@@ -301,7 +309,23 @@ def _earmark(uid: str, entry: Any) -> Earmark:
         claimants=tuple(shape.strings(entry.get("claimants", []), f"earmark of pod {uid!r}")),
         pod_name=shape.string(entry, "pod_name"),
         pod_namespace=shape.string(entry, "pod_namespace"),
+        deferred=tuple(_deferred(item, uid) for item in entry.get("deferred", [])),
     )
+
+
+def _deferred(item: Any, uid: str) -> tuple[str, str, int]:
+    """One deferred init container of an earmark: [container id, name, limit in millicores]."""
+    if (
+        not isinstance(item, list)
+        or len(item) != 3
+        or not all(isinstance(v, str) for v in item[:2])
+        or type(item[2]) is not int
+        or item[2] < 0
+    ):
+        raise TypeError(
+            f"earmark of pod {uid!r}: a deferred init container must be [id, name, millicores]"
+        )
+    return item[0], item[1], item[2]
 
 
 def _milli(entry: Mapping, key: str, uid: str) -> int:
