@@ -24,6 +24,7 @@ calls and nobody answers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,14 +87,16 @@ class PrivateBus:
         self.socket = os.path.join(self.dir.name, "bus")
         config = Path(self.dir.name, "bus.conf")
         config.write_text(CONFIG.format(socket=self.socket, extra_policy=self.extra_policy))
-        self.process = subprocess.Popen(
-            [DBUS_DAEMON, f"--config-file={config}", "--nofork", "--nopidfile", "--print-address=1"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            # (its warnings, e.g. that it may not raise its fd limit here, stay in its log)
-            stderr=open(os.path.join(self.dir.name, "dbus-daemon.log"), "w"),  # noqa: SIM115
-            text=True,
-        )
+        # (its warnings, e.g. that it may not raise its fd limit here, stay in its log)
+        with open(os.path.join(self.dir.name, "dbus-daemon.log"), "w") as log:
+            self.process = subprocess.Popen(
+                [DBUS_DAEMON, f"--config-file={config}", "--nofork", "--nopidfile",
+                 "--print-address=1"],
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+            )  # fmt: skip
         self.address = self.process.stdout.readline().strip()
         if not self.address:
             self.__exit__()
@@ -194,7 +197,9 @@ def _answer(message, log_lock: threading.Lock, log_path: str):
         or fields.get(HeaderFields.interface) != MANAGER
         or fields.get(HeaderFields.member) != "SetUnitProperties"
     ):
-        return new_error(message, "org.freedesktop.DBus.Error.UnknownMethod", "s", ("no such method",))
+        return new_error(
+            message, "org.freedesktop.DBus.Error.UnknownMethod", "s", ("no such method",)
+        )
     if fields.get(HeaderFields.signature) != "sba(sv)":
         return new_error(message, "org.freedesktop.DBus.Error.InvalidArgs", "s", ("bad signature",))
     unit, runtime, properties = message.body
@@ -210,9 +215,13 @@ def _answer(message, log_lock: threading.Lock, log_path: str):
     with log_lock, open(log_path, "a") as log:
         log.write(json.dumps(entry) + "\n")
     if "-gone" in unit:
-        return new_error(message, "org.freedesktop.systemd1.NoSuchUnit", "s", (f"Unit {unit} not loaded.",))
+        return new_error(
+            message, "org.freedesktop.systemd1.NoSuchUnit", "s", (f"Unit {unit} not loaded.",)
+        )
     if "-denied" in unit:
-        return new_error(message, "org.freedesktop.DBus.Error.AccessDenied", "s", ("Access denied",))
+        return new_error(
+            message, "org.freedesktop.DBus.Error.AccessDenied", "s", ("Access denied",)
+        )
     if "-oldsystemd" in unit:
         return new_error(
             message,
@@ -233,10 +242,8 @@ def _serve_private(path: str, log_lock: threading.Lock, log_path: str) -> None:
     listener.listen(64)
 
     def connection(conn: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the client went away
             converse(conn)
-        except OSError:
-            pass  # the client went away
 
     def converse(conn: socket.socket) -> None:
         from jeepney import Parser
@@ -284,7 +291,9 @@ def serve(address: str, log_path: str, private: str | None) -> None:
         print(f"RequestName answered {reply.body}", flush=True)
         return
     if private:
-        threading.Thread(target=_serve_private, args=(private, log_lock, log_path), daemon=True).start()
+        threading.Thread(
+            target=_serve_private, args=(private, log_lock, log_path), daemon=True
+        ).start()
         while not os.path.exists(private):
             time.sleep(0.001)
     print("ready", flush=True)

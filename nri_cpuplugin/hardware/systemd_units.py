@@ -456,14 +456,14 @@ class SystemdClient:
         sock = self.sock
         try:
             while not batch.done:
-                out = conversation.outgoing()
-                if out:
-                    sock.sendall(out)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     conversation.abandon(batch, TIMEOUT, _timeout_error(timeout))
                     break
-                sock.settimeout(remaining)
+                sock.settimeout(remaining)  # bounds the send too: a peer that stops reading
+                out = conversation.outgoing()
+                if out:
+                    sock.sendall(out)
                 try:
                     data = sock.recv(65536)
                 except TimeoutError:
@@ -498,9 +498,11 @@ class SystemdClient:
         self.sock = sock
 
     def close(self) -> None:
+        """Drop the connection (the next ``set_allowed`` opens a new one)."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        self.conversation = None
 
     def __enter__(self) -> SystemdClient:
         return self
@@ -601,6 +603,11 @@ class AsyncSystemdClient:
                 batch.waker.set_result(None)
 
     def close(self) -> None:
+        """Drop the connection: batches still waiting are answered UNREACHABLE at once."""
+        conversation, self.conversation = self.conversation, None
+        if conversation is not None and not conversation.closed:
+            conversation.fail(UNREACHABLE, SystemdError("the D-Bus client was closed", "closed"))
+            self._wake()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -51,7 +51,7 @@ IMPORTS = {
     "dbus-fast": "import dbus_fast.aio",
     "sdbus": "import sdbus",
 }
-CANDIDATES = ("ours", "jeepney", "dbus-fast", "sdbus")
+HOOK_LOADED = "import os, struct, nri_cpuplugin.base.errors"
 UNIT = "cri-containerd-0123456789abcdef.scope"
 CPUS, MEMS = (1, 2, 3, 9), (0,)
 PIPELINED = 100
@@ -65,6 +65,10 @@ def _program(statement: str) -> str:
 def bench_imports(rounds: int) -> dict[str, Any]:
     """Wall time of ``python -I -S -c`` importing each candidate, and bare; importtime sums."""
     programs = {"bare": _program("pass"), **{k: _program(v) for k, v in IMPORTS.items()}}
+    # what the hook's own path has loaded before it would need the client: ours costs it only
+    # its two modules (the others load no module of the hook's)
+    programs["hook"] = _program(HOOK_LOADED)
+    programs["ours, in the hook"] = _program(f"{HOOK_LOADED}; {IMPORTS['ours']}")
     wall: dict[str, list[float]] = {name: [] for name in programs}
     for _ in range(3):  # warm the page cache and the bytecode caches
         for program in programs.values():
@@ -74,8 +78,10 @@ def bench_imports(rounds: int) -> dict[str, Any]:
             started = time.perf_counter()
             subprocess.run([sys.executable, "-I", "-S", "-c", program], check=True)
             wall[name].append(time.perf_counter() - started)
-    self_us: dict[str, list[int]] = {name: [] for name in programs}
-    for _ in range(max(5, rounds // 4)):
+    # -X importtime: a line per module, "self [us] | cumulative | name"; a program's figure is
+    # the sum of self times of the modules its base program does not load
+    runs: dict[str, list[dict[str, int]]] = {name: [] for name in programs}
+    for _ in range(max(10, rounds // 2)):
         for name, program in programs.items():
             proc = subprocess.run(
                 [sys.executable, "-X", "importtime", "-I", "-S", "-c", program],
@@ -83,26 +89,38 @@ def bench_imports(rounds: int) -> dict[str, Any]:
                 text=True,
                 check=True,
             )
-            total = 0
+            modules = {}
             for line in proc.stderr.splitlines():
                 if line.startswith("import time:") and "|" in line:
-                    cell = line.split(":", 1)[1].split("|")[0].strip()
-                    if cell.isdigit():
-                        total += int(cell)
-            self_us[name].append(total)
-    bare = percentile(wall["bare"], 50)
-    bare_self = percentile(self_us["bare"], 50)
+                    cells = line.split(":", 1)[1].split("|")
+                    if cells[0].strip().isdigit():
+                        modules[cells[2].strip()] = int(cells[0])
+            runs[name].append(modules)
+
+    def base(name: str) -> str:  # each program against the start it adds to
+        return "hook" if name == "ours, in the hook" else "bare"
+
+    loaded = {name: set().union(*samples) for name, samples in runs.items()}
+
     return {
         "wall": {name: summary(samples) for name, samples in wall.items()},
         "ratio": {
             name: {
-                "median": percentile(samples, 50) / bare,
-                "p99": percentile(samples, 99) / percentile(wall["bare"], 99),
+                "median": percentile(samples, 50) / percentile(wall[base(name)], 50),
+                "p99": percentile(samples, 99) / percentile(wall[base(name)], 99),
             }
             for name, samples in wall.items()
         },
         "importtime_ms": {
-            name: (percentile(samples, 50) - bare_self) / 1e3 for name, samples in self_us.items()
+            name: percentile(
+                [
+                    sum(us for module, us in run.items() if module not in loaded[base(name)])
+                    for run in samples
+                ],
+                50,
+            )
+            / 1e3
+            for name, samples in runs.items()
         },
         "rounds": rounds,
     }
@@ -174,8 +192,13 @@ class _Jeepney:
     def _message(self, unit: str):
         from jeepney import new_method_call
 
-        properties = [("AllowedCPUs", ("ay", _mask(CPUS))), ("AllowedMemoryNodes", ("ay", _mask(MEMS)))]
-        return new_method_call(self.target, "SetUnitProperties", "sba(sv)", (unit, True, properties))
+        properties = [
+            ("AllowedCPUs", ("ay", _mask(CPUS))),
+            ("AllowedMemoryNodes", ("ay", _mask(MEMS))),
+        ]
+        return new_method_call(
+            self.target, "SetUnitProperties", "sba(sv)", (unit, True, properties)
+        )
 
     def fresh(self) -> None:
         from jeepney.io.blocking import open_dbus_connection
@@ -290,7 +313,10 @@ class _SdBus:
 
     def _message(self, bus, unit: str):
         message = bus.new_method_call_message(SERVICE, PATH, MANAGER, "SetUnitProperties")
-        properties = [("AllowedCPUs", ("ay", _mask(CPUS))), ("AllowedMemoryNodes", ("ay", _mask(MEMS)))]
+        properties = [
+            ("AllowedCPUs", ("ay", _mask(CPUS))),
+            ("AllowedMemoryNodes", ("ay", _mask(MEMS))),
+        ]
         message.append_data("sba(sv)", unit, True, properties)
         return message
 
@@ -307,7 +333,10 @@ class _SdBus:
 
     def pipelined(self) -> None:
         async def run() -> None:
-            calls = [self.bus.call_async(self._message(self.bus, f"crio-{i:064x}.scope")) for i in range(PIPELINED)]
+            calls = [
+                self.bus.call_async(self._message(self.bus, f"crio-{i:064x}.scope"))
+                for i in range(PIPELINED)
+            ]
             await asyncio.gather(*calls)
 
         self.loop.run_until_complete(run())
@@ -330,7 +359,7 @@ def _interleaved(
 ) -> dict[str, dict[str, Any]]:
     wall: dict[str, list[float]] = {name: [] for name in sides}
     cpu: dict[str, list[float]] = {name: [] for name in sides}
-    for name, operation in sides.items():  # warm-up
+    for operation in sides.values():  # warm-up
         for _ in range(3):
             operation()
     for _ in range(rounds):
@@ -392,4 +421,6 @@ def bench_dbus_clients(rounds: int = 200, import_rounds: int = 40) -> dict[str, 
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(bench_dbus_clients(int(sys.argv[1]) if len(sys.argv) > 1 else 50, 20), indent=1))
+    print(
+        json.dumps(bench_dbus_clients(int(sys.argv[1]) if len(sys.argv) > 1 else 50, 20), indent=1)
+    )

@@ -513,3 +513,24 @@ def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
 
     asyncio.run(main())
     assert answered == ["a.scope", "b.scope"]
+
+
+def test_closing_a_client_drops_its_connection(peer) -> None:
+    p = peer(_systemd)
+    client = su.SystemdClient(p.path, hello=False)
+    assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
+    client.close()
+    assert client.set_allowed([("b.scope", {1}, None)], 5)[0].outcome == su.SET  # reconnected
+    client.close()
+    silent = peer(_silent)
+
+    async def main() -> None:
+        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        waiting = asyncio.ensure_future(hung.set_allowed([("a.scope", {1}, None)], 30))
+        while not hung.waiting:  # until the call is out
+            await asyncio.sleep(0.01)
+        hung.close()
+        [result] = await asyncio.wait_for(waiting, 5)  # answered at once, not after 30 s
+        assert result.outcome == su.UNREACHABLE and "closed" in str(result.error)
+
+    asyncio.run(main())
