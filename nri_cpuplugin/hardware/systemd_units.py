@@ -289,6 +289,11 @@ class Conversation:
         self.error: SystemdError | None = None
         self.closed = False
 
+    @property
+    def ready(self) -> bool:
+        """The handshake is over: authenticated, and on a bus, Hello answered."""
+        return self.authenticated and (not self.hello or self.name is not None)
+
     def greeting(self) -> bytes:
         data = wire.auth_external(self.uid)
         if self.hello:
@@ -481,6 +486,40 @@ class SystemdClient:
             self.close()
         return _order(batch, changes)
 
+    def connect(self, timeout: float) -> SystemdError | None:
+        """Open the connection and wait for the end of its handshake (authentication, Hello),
+        so that later calls pay none of it: for a caller that can connect ahead of time, as
+        the daemon at start-up.  None, or why systemd cannot be reached (``set_allowed``
+        reconnects by itself in any case)."""
+        deadline = time.monotonic() + timeout
+        if self.conversation is None or self.conversation.closed:
+            self._connect(deadline)
+        conversation = self.conversation
+        try:
+            while not conversation.closed and not conversation.ready:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return SystemdError(
+                        f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s",
+                        "timeout",
+                    )
+                self.sock.settimeout(remaining)
+                try:
+                    data = self.sock.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    closed = SystemdError(f"{self.path} closed the connection", "closed")
+                    conversation.fail(UNREACHABLE, closed)
+                    break
+                conversation.feed(data)
+        except OSError as e:
+            conversation.fail(UNREACHABLE, _connect_error(self.path, e))
+        if conversation.closed:
+            self.close()
+            return conversation.error
+        return None
+
     def _connect(self, deadline: float) -> None:
         import _socket  # (the C core: see the class docstring)
 
@@ -522,7 +561,7 @@ class AsyncSystemdClient:
     let a late call on the old connection overtake a newer one.  It reconnects only once the
     connection is lost."""
 
-    __slots__ = ("conversation", "hello", "path", "transport", "waiting")
+    __slots__ = ("conversation", "handshake", "hello", "path", "transport", "waiting")
 
     def __init__(self, path: str = SYSTEM_BUS, *, hello: bool | None = None) -> None:
         self.path = path
@@ -530,6 +569,7 @@ class AsyncSystemdClient:
         self.conversation: Conversation | None = None
         self.transport: object = None
         self.waiting: set[Batch] = set()  # batches awaited, not yet done
+        self.handshake: object = None  # connect()'s future, until the handshake is over
 
     async def set_allowed(
         self, changes: Sequence[tuple[str, Iterable[int], Iterable[int] | None]], timeout: float
@@ -555,6 +595,26 @@ class AsyncSystemdClient:
             finally:
                 self.waiting.discard(batch)
         return _order(batch, changes)
+
+    async def connect(self, timeout: float) -> SystemdError | None:
+        """As ``SystemdClient.connect``: the handshake done ahead of the first calls."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.conversation is None or self.conversation.closed:
+            await self._connect(deadline)
+        conversation = self.conversation
+        try:
+            if not conversation.closed and not conversation.ready:
+                self.handshake = loop.create_future()
+                async with asyncio.timeout_at(deadline):
+                    await self.handshake
+        except TimeoutError:
+            return SystemdError(
+                f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s", "timeout"
+            )
+        return conversation.error if conversation.closed else None
 
     async def _connect(self, deadline: float) -> None:
         import asyncio
@@ -598,6 +658,11 @@ class AsyncSystemdClient:
         self.transport = None
 
     def _wake(self) -> None:
+        conversation = self.conversation
+        handshake = self.handshake
+        over = conversation is None or conversation.closed or conversation.ready
+        if over and handshake is not None and not handshake.done():
+            handshake.set_result(None)
         for batch in self.waiting:
             if batch.done and not batch.waker.done():
                 batch.waker.set_result(None)

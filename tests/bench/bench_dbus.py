@@ -10,6 +10,8 @@ round so that the machine's noise falls on all of them alike:
 * **import**: the wall time of ``python -I -S -c 'import X'`` as the hook's launcher starts
   Python (``-I -S``, the package's directory appended to ``sys.path``), next to the same start
   importing nothing; and the sum of ``-X importtime``'s self times over the statement.
+* **connect**: connect, authenticate, Hello answered, close (sdbus completes its handshake
+  only with the first call: see the next figure).
 * **fresh connection + first call**: connect, authenticate, Hello, one ``SetUnitProperties``
   answered, close - the hook's whole D-Bus exchange for one container.
 * **call** on an open connection, one at a time, and **100 pipelined calls** (all sent, then
@@ -142,6 +144,12 @@ class _Ours:
         with systemd_units.SystemdClient(self.path, hello=self.hello) as client:
             _check(client.set_allowed([(UNIT, CPUS, MEMS)], 5.0))
 
+    def connect(self) -> None:
+        with systemd_units.SystemdClient(self.path, hello=self.hello) as client:
+            error = client.connect(5.0)
+            if error is not None:
+                raise error
+
     def open(self) -> None:
         self.client = systemd_units.SystemdClient(self.path, hello=self.hello)
 
@@ -206,6 +214,11 @@ class _Jeepney:
         with open_dbus_connection(bus=self.address) as conn:
             _jeepney_ok(conn.send_and_get_reply(self._message(UNIT), timeout=5))
 
+    def connect(self) -> None:
+        from jeepney.io.blocking import open_dbus_connection
+
+        open_dbus_connection(bus=self.address).close()  # (it says Hello before returning)
+
     def open(self) -> None:
         from jeepney.io.blocking import open_dbus_connection
 
@@ -267,6 +280,14 @@ class _DBusFast:
         async def run() -> None:
             bus = await self._connect()
             _fast_ok(await bus.call(self._message(UNIT)))
+            bus.disconnect()
+            await bus.wait_for_disconnect()
+
+        self.loop.run_until_complete(run())
+
+    def connect(self) -> None:
+        async def run() -> None:
+            bus = await self._connect()  # (Hello answered before it returns)
             bus.disconnect()
             await bus.wait_for_disconnect()
 
@@ -375,8 +396,8 @@ def _interleaved(
 
 def bench_dbus_clients(rounds: int = 200, import_rounds: int = 40) -> dict[str, Any]:
     """Every figure of the module docstring, for every candidate, in one run.
-    Returns {"imports": bench_imports(...), "fresh", "call", "pipelined": {side: summary +
-    cpu_per_call_ms}, "rounds", "pipelined_calls"}."""
+    Returns {"imports": bench_imports(...), "connect", "fresh", "call", "pipelined": {side:
+    summary + cpu_per_call_ms}, "rounds", "pipelined_calls"}."""
     imports = bench_imports(import_rounds)
     loop = asyncio.new_event_loop()
     try:
@@ -391,6 +412,10 @@ def bench_dbus_clients(rounds: int = 200, import_rounds: int = 40) -> dict[str, 
                     "dbus-fast": _DBusFast(bus.address, loop),
                     "sdbus": _SdBus(bus.address, loop),
                 }
+                connect = _interleaved(
+                    {name: c.connect for name, c in clients.items() if hasattr(c, "connect")},
+                    rounds,
+                )
                 fresh = _interleaved(
                     {name: c.fresh for name, c in clients.items() if hasattr(c, "fresh")}, rounds
                 )
@@ -410,6 +435,7 @@ def bench_dbus_clients(rounds: int = 200, import_rounds: int = 40) -> dict[str, 
         loop.close()
     return {
         "imports": imports,
+        "connect": connect,
         "fresh": fresh,
         "call": call,
         "pipelined": pipelined,

@@ -792,17 +792,20 @@ def section_dbus(quick: bool) -> list[str]:
         )
     lines += [
         "",
-        "On a connection, per call (*fresh*: connect, authenticate, Hello, one call answered, "
-        "close - what the hook pays for one container; *call*: one call on an open connection; "
+        "On a connection, per call (*connect*: connect, authenticate, Hello answered, close - "
+        "sdbus completes its handshake only with a first call; *fresh*: connect, authenticate, "
+        "Hello, one call answered, close - what the hook pays for one container, where ours "
+        "writes the handshake and the call at once; *call*: one call on an open connection; "
         f"*{report['pipelined_calls']} pipelined*: all sent, every answer awaited - what the "
         "daemon pays when a pool change moves that many shared containers). *Client CPU*: the "
         "benchmark process's CPU time per call, the client's own work. *Peer to peer* is our "
         "client on the FAKE's own socket, as systemd's `/run/systemd/private` is reached "
         "(no dbus-daemon in between, no Hello).",
         "",
-        f"| client | fresh: median / p99 | client CPU | call: median / p99 | client CPU | "
-        f"{report['pipelined_calls']} pipelined: median / p99 | client CPU per call |",
-        "|---|---|---|---|---|---|---|",
+        f"| client | connect: median / p99 | fresh: median / p99 | client CPU | call: median / "
+        f"p99 | client CPU | {report['pipelined_calls']} pipelined: median / p99 | client CPU "
+        "per call |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     sides = {
         "ours": labels["ours"],
@@ -813,7 +816,8 @@ def section_dbus(quick: bool) -> list[str]:
         "sdbus": labels["sdbus"] + " (pipelined: its asyncio API)",
     }
     for name, label in sides.items():
-        cells = []
+        connect = report["connect"].get(name)
+        cells = [f"{_ms(connect['median_ms'])} / {_ms(connect['p99_ms'])}" if connect else "-"]
         for kind in ("fresh", "call", "pipelined"):
             s = report[kind].get(name)
             cells += (

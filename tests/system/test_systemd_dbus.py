@@ -212,3 +212,10 @@ def test_the_hooks_client_loads_nothing_the_hook_may_not(
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["set", "loaded:"]
+
+
+def test_connecting_ahead_waits_for_hello(bus: PrivateBus, fake: FakeSystemd) -> None:
+    with su.SystemdClient(bus.socket) as client:
+        assert client.connect(10) is None
+        assert client.conversation.name.startswith(":")  # the bus's answer to Hello
+        assert client.set_allowed([("crio-a.scope", {1}, None)], 10)[0].outcome == su.SET

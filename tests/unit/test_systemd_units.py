@@ -534,3 +534,28 @@ def test_closing_a_client_drops_its_connection(peer) -> None:
         assert result.outcome == su.UNREACHABLE and "closed" in str(result.error)
 
     asyncio.run(main())
+
+
+def test_connecting_ahead_of_the_calls(peer) -> None:
+    p = peer(_systemd)
+    silent = peer(_silent)
+    with su.SystemdClient(p.path, hello=False) as client:
+        assert client.connect(5) is None and client.conversation.ready
+        assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
+    with su.SystemdClient(silent.path, hello=False) as client:
+        error = client.connect(0.3)
+        assert error.code == "timeout" and "handshake" in str(error)
+    error = su.SystemdClient(p.path + ".missing").connect(1)
+    assert error.code == "unreachable" and "no socket at" in str(error)
+
+    async def main() -> None:
+        client = su.AsyncSystemdClient(p.path, hello=False)
+        assert await client.connect(5) is None and client.conversation.ready
+        assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
+        client.close()
+        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        error = await hung.connect(0.3)
+        assert error.code == "timeout"
+        hung.close()
+
+    asyncio.run(main())
