@@ -19,13 +19,14 @@ from typing import Any
 from ..hardware import hotplug
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
-from ..ops.config import Settings
+from ..ops.config import Settings, merge
 from ..ops.metrics import Metrics
 from . import events as ev
 from .adapter import NRIAdapter
 from .deadline import DRAIN_TIMEOUT, Deadline
 from .node import Node
 from .pod_nics import PodNICs
+from .units import SystemdUnits, bus_path
 from .worker import Worker, _call_soon
 from .writer import Units
 
@@ -41,6 +42,9 @@ class Daemon:
         units: Units | None = None,
     ) -> None:
         self.audit = audit
+        if units is None:
+            path = bus_path(merge(settings, flags or {}).systemd_bus)
+            units = SystemdUnits(audit, path) if path is not None else None
         self.worker = Worker()
         self.pod_nics = PodNICs()
         self.node = Node(

@@ -72,7 +72,7 @@ class CgroupWriter:
             return [t.container_id for t in runtime]
         layout = self.liveness.layout()
         assert layout is not None  # can_write
-        units = [t for t in direct if not is_cgroupfs_path(t.runtime_path)]
+        units = [self._with_mems(t) for t in direct if not is_cgroupfs_path(t.runtime_path)]
         unit_failed = set(self.units.set_cpus(units)) if self.units and units else set()
         # Most of them (a creation on a dense node: every shared container) go through the
         # files kept open since they started; the others, and a target with memory nodes or a
@@ -90,6 +90,13 @@ class CgroupWriter:
             t.container_id for t in direct if t.container_id in failed
         ]
 
+    def _with_mems(self, target: cpusets.Target) -> cpusets.Target:
+        """A unit's memory nodes as a list: systemd takes an empty AllowedMemoryNodes as "no
+        restriction" and leaves the old, narrower set in place."""
+        if target.mems_from_parent and not target.mems:
+            return target.evolve(mems=self._parent_mems(target.runtime_path))
+        return target
+
     def write_own(self, target: cpusets.Target) -> list[str]:
         """Write a container's own cgroup before its first instruction (its cpuset, and an
         exclusive one's memory nodes and quota): one line per error."""
@@ -98,7 +105,7 @@ class CgroupWriter:
             return ["no cgroup filesystem found"]
         if not self.can_write(target.runtime_path):
             return [f"its cgroup {target.runtime_path!r} is not one this daemon writes"]
-        if self.units is not None and self.units.set_cpus([target]):
+        if self.units is not None and self.units.set_cpus([self._with_mems(target)]):
             return [f"systemd did not take the CPUs of {target.runtime_path!r}"]
         return cpusets.move(layout, [target], self._unbalanced, self._files).errors
 

@@ -67,6 +67,9 @@ class Settings(Value):
     nic_read_ahead: bool = True
     # Earmark CPUs for a Guaranteed pod's exclusive containers when its sandbox starts.
     earmark_pods: bool = True
+    # Where the daemon reaches systemd to change the cpusets of systemd-driver containers as
+    # systemd keeps them (daemon/units.py): "auto", "off", or a socket path.
+    systemd_bus: str = "auto"
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -97,6 +100,7 @@ _TABLES = {
         "pin_at": "nri_pin_at",
     },
     "metrics": {"listen": "metrics_listen"},
+    "systemd": {"bus": "systemd_bus"},
 }
 KNOWN_KEYS = sorted([*_TOP, *(f"{table}.{key}" for table, keys in _TABLES.items() for key in keys)])
 
@@ -281,6 +285,12 @@ def _check(field: str, value: Any, where: str) -> Any:
         if not (isinstance(value, str) and value and _PLUGIN_NAME.issuperset(value)):
             raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
         return value
+    if field == "systemd_bus":
+        if value in ("auto", "off") or (isinstance(value, str) and value.startswith("/")):
+            return value
+        raise ConfigError(
+            f'{where} = {value!r}: expected "auto", "off" or the absolute path of a D-Bus socket'
+        )
     if field == "metrics_listen":
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r}: {LISTEN_FORM}")
