@@ -28,13 +28,19 @@ if TYPE_CHECKING:
 
 
 def create(node: Node, event: ev.CreateContainer, deliver: Deliver = keep) -> Effects:
-    """Decide, move the shared containers, answer; then commit (``_commit_point``) and
-    audit.  A creation answered already from its pod's earmark (``event.answered``, or
-    here when the state allows) is decided all the same, and what it was decided on
-    otherwise is set right at its start."""
+    """CreateContainer: decide, move the shared containers, answer; then commit (the commit
+    rule, daemon/statefile.py) and audit.  A creation answered already from its pod's earmark
+    (``event.answered``, or here when the state allows) is decided all the same, and what it
+    was decided on otherwise is set right at its start."""
     early = event.answered
     if early is None and (early := node.query_early_answer(event)) is not None:
         deliver(Effects(own=early))  # answered now; decided next, as any creation
+    return _create(node, event, early, deliver)
+
+
+def _create(
+    node: Node, event: ev.CreateContainer, early: Target | None, deliver: Deliver
+) -> Effects:
     workload = event.workload
     node.sandboxes[event.pod.uid] = event.pod.sandbox_id
     before = node.state
@@ -44,16 +50,8 @@ def create(node: Node, event: ev.CreateContainer, deliver: Deliver = keep) -> Ef
         with node.file.locked():
             outcome, committed = _decide_creation(node, workload, locality)
             effects, proceed = _answer_creation(node, event, outcome, early, deliver)
-            if proceed and not committed:
-                exclusive = outcome.decision is not None and outcome.decision.exclusive
-                if node.commit_point(CREATION, exclusive) == AT_START:
-                    node.hold(outcome)
-                else:
-                    node.commit(outcome)
-            elif not (proceed or committed) and len(outcome.targets) > 1:
-                # Written for a decision that is not made after all: the pool as it is.
-                back = [node.query_target(t.container_id) for t in outcome.targets[1:]]
-                node.routes.push(back, node.state, "creation answered with an error")
+            if not committed:
+                _settle_creation(node, outcome, proceed)
     except PolicyError as err:
         node.metrics.pinning_request()
         node.metrics.pinning_error()
@@ -68,6 +66,21 @@ def create(node: Node, event: ev.CreateContainer, deliver: Deliver = keep) -> Ef
     tracked = before is not None and (cid in before.assignments or cid in before.sharing)
     undo = None if tracked else ev.Release(cid, "creation answered with an error")
     return effects.evolve(undo=undo)
+
+
+def _settle_creation(node: Node, outcome: Outcome, proceed: bool) -> None:
+    """After the answer (the lock held): the decision is committed by the commit rule - or,
+    answered with an error meanwhile, not made, and the shared containers written for it go
+    back to the pool as it is."""
+    if proceed:
+        exclusive = outcome.decision is not None and outcome.decision.exclusive
+        if node.commit_point(CREATION, exclusive) == AT_START:
+            node.hold(outcome)
+        else:
+            node.commit(outcome)
+    elif len(outcome.targets) > 1:
+        back = [node.query_target(t.container_id) for t in outcome.targets[1:]]
+        node.routes.push(back, node.state, "creation answered with an error")
 
 
 def _decide_creation(
@@ -252,8 +265,8 @@ def _create_at_start(node: Node, event: ev.StartContainer) -> ev.Release | None:
         )
         node.audit.emit([node.engine.refused(workload, err)])
         raise err
-    creation = ev.CreateContainer(workload, event.pod, event.netns)
-    effects = create(node, creation)
+    # No earmark's answer here: the container's own write below is what it starts with.
+    effects = _create(node, ev.CreateContainer(workload, event.pod, event.netns), None, keep)
     node.owed.add(t.container_id for t in effects.updates)
     return effects.undo if isinstance(effects.undo, ev.Release) else None
 

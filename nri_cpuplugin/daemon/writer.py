@@ -64,31 +64,39 @@ class CgroupWriter:
     def write(self, targets: Iterable[cpusets.Target]) -> list[str]:
         """Write each target; returns the ids of those the runtime must apply after all (no
         cgroup path, another driver, or a write that failed)."""
-        runtime: list[cpusets.Target] = []
+        runtime: list[str] = []
         direct: list[cpusets.Target] = []
         for target in targets:
-            (direct if self.can_write(target.runtime_path) else runtime).append(target)
+            if self.can_write(target.runtime_path):
+                direct.append(target)
+            else:
+                runtime.append(target.container_id)
         if not direct:
-            return [t.container_id for t in runtime]
+            return runtime
+        failed = self._set_units(direct) | self._write_files(direct)
+        return runtime + [t.container_id for t in direct if t.container_id in failed]
+
+    def _set_units(self, targets: list[cpusets.Target]) -> set[str]:
+        """The systemd-driver ones' unit properties; the ids systemd did not take."""
+        units = [self._with_mems(t) for t in targets if not is_cgroupfs_path(t.runtime_path)]
+        if self.units is None or not units:
+            return set()
+        return set(self.units.set_cpus(units))
+
+    def _write_files(self, targets: list[cpusets.Target]) -> set[str]:
+        """The cgroup files; the ids whose write failed.  Most of them (a creation on a dense
+        node: every shared container) go through the files kept open since they started; the
+        others, and a target with memory nodes or a quota to set, through cpusets.move."""
         layout = self.liveness.layout()
         assert layout is not None  # can_write
-        units = [self._with_mems(t) for t in direct if not is_cgroupfs_path(t.runtime_path)]
-        unit_failed = set(self.units.set_cpus(units)) if self.units and units else set()
-        # Most of them (a creation on a dense node: every shared container) go through the
-        # files kept open since they started; the others, and a target with memory nodes or a
-        # quota to set, through cpusets.move.
         plain = {
             t.container_id: t.cpus
-            for t in direct
+            for t in targets
             if t.mems is None and t.quota is None and not t.mems_from_parent
         }
         left = set(self._files.write_kept(plain.items()))
-        general = [t for t in direct if t.container_id in left or t.container_id not in plain]
-        failed = set(cpusets.move(layout, general, self._unbalanced, self._files).failed)
-        failed |= unit_failed
-        return [t.container_id for t in runtime] + [
-            t.container_id for t in direct if t.container_id in failed
-        ]
+        general = [t for t in targets if t.container_id in left or t.container_id not in plain]
+        return set(cpusets.move(layout, general, self._unbalanced, self._files).failed)
 
     def _with_mems(self, target: cpusets.Target) -> cpusets.Target:
         """A unit's memory nodes as a list: systemd takes an empty AllowedMemoryNodes as "no
