@@ -26,10 +26,11 @@ from __future__ import annotations
 try:
     import _json  # CPython's accelerator: what json uses when it is there
 except ImportError:  # pragma: no cover - other interpreters: json alone
-    _json = None
+    _json = None  # type: ignore[assignment]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from json import JSONDecodeError as DecodeError
     from typing import Any
 
@@ -182,7 +183,12 @@ class _Settings:
     parse_constant = staticmethod(_refuse_constant)
 
 
-_scanner = _json.make_scanner(_Settings()) if _json is not None else None
+# (typeshed types make_scanner's argument as a JSONDecoder: _Settings carries what it reads.)
+_scanner: Callable[[str, int], tuple[Any, int]] | None = (
+    _json.make_scanner(_Settings())  # type: ignore[arg-type]
+    if _json is not None  # type: ignore[redundant-expr]
+    else None
+)
 
 
 def _refuse_lone_surrogates(value: Any) -> None:

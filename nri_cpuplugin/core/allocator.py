@@ -158,11 +158,10 @@ class Allocator:
         self.topology = topology
         self.options = validate_options(options, topology)
         by_socket = ALIGN_BY_SOCKET in self.options
-        info = topology.by_id
-        self._numa = {c: info[c].numa for c in topology.online}
-        self._socket = {c: info[c].socket for c in topology.online}
-        self._llc = {c: info[c].l3 for c in topology.online}
-        self._core = {c: info[c].core for c in topology.online}
+        self._numa = topology.group_ids("numa")
+        self._socket = topology.group_ids("socket")
+        self._llc = topology.group_ids("l3")
+        self._core = topology.group_ids("core")
         # Plain frozensets: the score runs thousands of times per second.
         self._core_cpus = {k: frozenset(v) for k, v in topology.cores.items()}
         self._numa_cpus = {k: frozenset(v) for k, v in topology.numa_nodes.items()}

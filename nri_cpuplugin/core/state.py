@@ -16,10 +16,10 @@ from ..base.errors import PluginError
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
 try:
-    from _sha256 import sha256  # CPython 3.11
+    from _sha256 import sha256  # type: ignore[import-not-found]  # CPython 3.11
 except ImportError:  # pragma: no cover - other versions
     try:
-        from _sha2 import sha256  # CPython >= 3.12
+        from _sha2 import sha256  # type: ignore[import-not-found]  # CPython >= 3.12
     except ImportError:
         from hashlib import sha256
 from ..base.value import Value, cached_property
@@ -220,7 +220,8 @@ def to_document(state: NodeState) -> dict[str, Any]:
 
 def checksum(body: Mapping[str, Any]) -> str:
     canonical = {k: v for k, v in body.items() if k != "checksum"}
-    return "sha256:" + sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    digest: str = sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    return "sha256:" + digest
 
 
 def encode(state: NodeState) -> bytes:
@@ -262,7 +263,7 @@ def decode(data: bytes) -> NodeState:
 
 
 def _kind(entry: Mapping) -> str:
-    kind = shape.string(entry, "kind")
+    kind: str = shape.string(entry, "kind")
     if kind not in CONTAINER_KINDS:
         raise ValueError(f"unknown container kind {kind!r}")
     return kind

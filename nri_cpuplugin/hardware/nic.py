@@ -44,7 +44,7 @@ from . import rtnetlink
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
-    import socket
+    import _socket
     from collections.abc import Iterable, Mapping
     from typing import Any
 
@@ -171,12 +171,14 @@ def _libc() -> Any:
     class Function(_ctypes.CFuncPtr):  # returns a C int, as CDLL's functions do by default
         _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
 
-    libc = SimpleNamespace(_handle=_ctypes.dlopen(None, _ctypes.RTLD_LOCAL))  # CDLL's handle
-    libc.setns = Function(("setns", libc))
+    # (dlopen(None) is the program itself; typeshed asks for a CDLL where any object with a
+    # _handle will do.)
+    libc = SimpleNamespace(_handle=_ctypes.dlopen(None, _ctypes.RTLD_LOCAL))  # type: ignore[arg-type]
+    libc.setns = Function(("setns", libc))  # type: ignore[arg-type]
     return libc
 
 
-def netlink_socket(netns: str | None) -> socket.socket:
+def netlink_socket(netns: str | None) -> _socket.socket:
     """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
     # The C cores of socket and threading: the OCI hook gets here for every exclusive container
     # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
@@ -235,7 +237,8 @@ def netlink_socket(netns: str | None) -> socket.socket:
         os.close(ns_fd)
     if "error" in result:
         raise result["error"]
-    return result["sock"]
+    sock: _socket.socket = result["sock"]
+    return sock
 
 
 def _errno() -> int:
@@ -244,7 +247,7 @@ def _errno() -> int:
     return _ctypes.get_errno()
 
 
-def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
+def _request(sock: _socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
     """Send one request, return the answers (all parts of a dump)."""
     sock.settimeout(NETLINK_TIMEOUT)
     sock.send(request)
@@ -272,11 +275,11 @@ def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Me
                 return answers
 
 
-def _links(sock: socket.socket) -> list[rtnetlink.Message]:
+def _links(sock: _socket.socket) -> list[rtnetlink.Message]:
     return _request(sock, rtnetlink.get_links(1), 1)
 
 
-def _link_by_index(sock: socket.socket, index: int) -> rtnetlink.Message | None:
+def _link_by_index(sock: _socket.socket, index: int) -> rtnetlink.Message | None:
     try:
         answers = _request(sock, rtnetlink.get_link(3, index), 3)
     except NICError:
@@ -284,7 +287,7 @@ def _link_by_index(sock: socket.socket, index: int) -> rtnetlink.Message | None:
     return answers[0] if answers else None
 
 
-def _nsid_of_own_netns(sock: socket.socket) -> int | None:
+def _nsid_of_own_netns(sock: _socket.socket) -> int | None:
     """The id under which the namespace behind ``sock`` knows *our* network namespace."""
     fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
