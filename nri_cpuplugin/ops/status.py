@@ -127,7 +127,7 @@ def _owner_line(daemon: dict[str, Any] | None) -> str:
 
 def render_text(report: dict[str, Any]) -> str:
     if report["state"] != "ok":
-        return f"state file {report['state_file']}: {report['problem']}\n"
+        return f"{report['problem']}\n"  # (every problem names the file)
     lines = [
         f"state file  {report['state_file']}  (policy {report['policy']})",
         _owner_line(report.get("daemon")),
