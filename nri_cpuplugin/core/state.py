@@ -330,22 +330,9 @@ def _strings(doc: Mapping, key: str) -> dict[str, str]:
 
 
 def _check_consistent(state: NodeState) -> None:
-    seen: dict[int, str] = {}
-    owed: dict[int, str] = {}
-    for cid, assignment in state.assignments.items():
-        if not assignment.cpus and not assignment.lost:
-            raise StateFormatError(f"assignment {cid!r} has no CPUs")
-        for cpu in assignment.cpus:
-            if cpu in seen:
-                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
-            seen[cpu] = cid
-        for cpu in assignment.lost:
-            if cpu in owed:
-                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
-            owed[cpu] = cid
-    for cpu, cid in owed.items():
-        if cpu in seen:
-            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    """No CPU in two places: held, owed, earmarked and shared are disjoint (owed ones may be
+    shared meanwhile), and the shared pool has a CPU."""
+    seen, owed = _held_and_owed(state)
     for uid, earmark in state.earmarks.items():
         if not earmark.cpus:
             raise StateFormatError(f"the earmark of pod {uid!r} has no CPUs")
@@ -362,3 +349,25 @@ def _check_consistent(state: NodeState) -> None:
         raise StateFormatError(f"CPUs {overlap} are both shared and held or earmarked")
     if not state.shared:
         raise StateFormatError("the shared pool is empty")
+
+
+def _held_and_owed(state: NodeState) -> tuple[dict[int, str], dict[int, str]]:
+    """Which container holds each assigned CPU, and which is owed each lost one: each CPU
+    in one place only."""
+    seen: dict[int, str] = {}
+    owed: dict[int, str] = {}
+    for cid, assignment in state.assignments.items():
+        if not assignment.cpus and not assignment.lost:
+            raise StateFormatError(f"assignment {cid!r} has no CPUs")
+        for cpu in assignment.cpus:
+            if cpu in seen:
+                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
+            seen[cpu] = cid
+        for cpu in assignment.lost:
+            if cpu in owed:
+                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
+            owed[cpu] = cid
+    for cpu, cid in owed.items():
+        if cpu in seen:
+            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    return seen, owed

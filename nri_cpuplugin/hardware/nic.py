@@ -178,16 +178,8 @@ def _libc() -> Any:
     return libc
 
 
-def netlink_socket(netns: str | None) -> _socket.socket:
-    """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
-    # The C cores of socket and threading: the OCI hook gets here for every exclusive container
-    # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
-    import _socket
-    import _thread
-
-    flags = _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC
-    if netns is None:
-        return _socket.socket(_socket.AF_NETLINK, flags, 0)
+def _open_netns(netns: str) -> int:
+    """A descriptor of the network namespace file ``netns``."""
     try:
         # No O_CREAT, ever: attach to what exists or fail.  Never block (a FIFO planted there)
         # and never open a device: a namespace file is a regular file of the nsfs.
@@ -199,6 +191,20 @@ def netlink_socket(netns: str | None) -> _socket.socket:
     if not stat.S_ISREG(os.fstat(ns_fd).st_mode):
         os.close(ns_fd)
         raise NICError(f"{netns} is not a network namespace (not a regular file)")
+    return ns_fd
+
+
+def netlink_socket(netns: str | None) -> _socket.socket:
+    """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
+    # The C cores of socket and threading: the OCI hook gets here for every exclusive container
+    # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
+    import _socket
+    import _thread
+
+    flags = _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC
+    if netns is None:
+        return _socket.socket(_socket.AF_NETLINK, flags, 0)
+    ns_fd = _open_netns(netns)
     result: dict[str, Any] = {}
 
     def enter() -> None:
@@ -347,19 +353,26 @@ def list_links(netns: str | None) -> tuple[list[Link], dict[int, Link] | None]:
         own_id = _nsid_of_own_netns(sock)
     finally:
         sock.close()
-    wanted = {x.lower for x in stacked if own_id is not None and x.lower_nsid == own_id}
-    if not wanted:
-        return links, None
+    wanted = {
+        x.lower
+        for x in stacked
+        if x.lower is not None and own_id is not None and x.lower_nsid == own_id
+    }
+    return links, (_own_links(sorted(wanted)) if wanted else None)
+
+
+def _own_links(indexes: list[int]) -> dict[int, Link]:
+    """The links of our own namespace with these indexes (those that still exist)."""
     own: dict[int, Link] = {}
     sock = netlink_socket(None)
     try:
-        for index in sorted(i for i in wanted if i is not None):
+        for index in indexes:
             msg = _link_by_index(sock, index)
             if msg is not None:
                 own[index] = _link(msg)
     finally:
         sock.close()
-    return links, own
+    return own
 
 
 # --- sysfs ----------------------------------------------------------------------------------
@@ -462,18 +475,27 @@ def locality(
                 f"NIC locality is strict but the interfaces in {where} cannot be read: {err}"
             ) from None
         return Locality(None, (), f"no NIC preference: cannot inspect {where}: {err}")
-    nics = resolve(links, own, sysfs, topology)
-    if asked.names is not None:
-        by_name = {nic.name: nic for nic in nics}
-        missing = [n for n in asked.names if n not in by_name]
-        if missing and asked.mode == "strict":
-            raise PolicyError(
-                f"NIC locality is strict but {', '.join(missing)} not found in {where} "
-                f"(has: {', '.join(sorted(by_name)) or 'nothing'})"
-            )
-        nics = [by_name[n] for n in asked.names if n in by_name]
-    else:
-        nics = [nic for nic in nics if nic.device]  # virtual interfaces say nothing
+    nics = _chosen(resolve(links, own, sysfs, topology), asked, where)
+    return _preference(nics, asked.mode == "strict", where, topology)
+
+
+def _chosen(nics: list[NIC], asked: Request, where: str) -> list[NIC]:
+    """The NICs the annotation names (all of them when strict), or every NIC with a device:
+    virtual interfaces say nothing."""
+    if asked.names is None:
+        return [nic for nic in nics if nic.device]
+    by_name = {nic.name: nic for nic in nics}
+    missing = [n for n in asked.names if n not in by_name]
+    if missing and asked.mode == "strict":
+        raise PolicyError(
+            f"NIC locality is strict but {', '.join(missing)} not found in {where} "
+            f"(has: {', '.join(sorted(by_name)) or 'nothing'})"
+        )
+    return [by_name[n] for n in asked.names if n in by_name]
+
+
+def _preference(nics: list[NIC], strict: bool, where: str, topology: Topology | None) -> Locality:
+    """The NUMA nodes of ``nics`` as a preference (none when they say nothing)."""
     nodes = CPUSet(nic.numa for nic in nics if nic.numa is not None)
     if topology is not None:
         nodes &= CPUSet(topology.numa_nodes)
@@ -487,7 +509,6 @@ def locality(
             tuple(nics),
             f"no NIC preference in {where}: {'; '.join(described)}",
         )
-    strict = asked.mode == "strict"
     return Locality(
         NICPreference(nodes, strict, described),
         tuple(nics),
