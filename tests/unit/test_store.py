@@ -503,7 +503,7 @@ def test_lock_timeout_names_lock_file_and_what_to_do(state_dir: Path) -> None:
         started = time.monotonic()
         with pytest.raises(StateLockTimeout) as info, store.locked():
             pass
-        assert 0.2 <= time.monotonic() - started < 3
+        assert 0.2 <= time.monotonic() - started < 10  # (waited, but not for the holder)
         message = str(info.value)
         assert str(state_dir / "state.lock") in message
         assert "0.2s" in message
