@@ -283,7 +283,10 @@ class Stub:
             self.connected.set()
             await reading
         except (RegistrationError, ProtocolError, ConnectionError, TimeoutError) as err:
-            log.warning("NRI connection ended: %s", err)
+            if self._stopping.is_set():  # stop() closed it (SIGTERM): not the runtime's doing
+                log.info("NRI connection closed: stopping")
+            else:
+                log.warning("NRI connection ended: %s", err)
         finally:
             self.connected.clear()
             reading.cancel()

@@ -4,6 +4,7 @@ real containerd cannot be made to produce on demand; the real ones are in tests/
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -221,6 +222,21 @@ def test_slow_handler_gets_an_error_before_the_runtime_deadline(tmp_path, monkey
         await shutdown(runtime, stub, task)
 
     run(test, tmp_path)
+
+
+def test_a_stop_of_our_own_is_not_logged_as_the_runtime_closing_the_socket(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=stub_module.log.name)
+
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        stub.stop()  # what SIGTERM from the service manager does
+        await asyncio.wait_for(task, 5)
+        await runtime.close()
+
+    run(test, tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.name == stub_module.log.name]
+    assert "NRI connection closed: stopping" in messages
+    assert not [m for m in messages if m.startswith("NRI connection ended")]
 
 
 def test_unsolicited_update_is_refused_inside_handler_and_sent_after(tmp_path):
