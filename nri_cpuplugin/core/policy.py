@@ -42,6 +42,9 @@ TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI ho
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
+    # Where a container's CPUs may come from: (exact: this set or nothing, CPUs, why).
+    _Source = tuple[bool, CPUSet, str]
+
 POLICY_NAME = "static"
 # Remembered stops (for restarts and init containers' CPUs): far more than the containers of a
 # dense node's pods restarting at once, small enough that every commit stays cheap.
@@ -389,6 +392,54 @@ class StaticPolicy:
         nic: NICPreference | None = None,
         unavailable: CPUSet = EMPTY,
     ) -> tuple[CPUSet, str]:
+        """``count`` CPUs for an eligible container and why these: the first of its sources
+        (``_sources``) that has room, near its NICs when it has any."""
+        free, options = self._sources(state, workload, count, isolated, unavailable)
+        strict = nic is not None and bool(nic.nodes) and nic.strict
+        if nic is not None and nic.nodes:
+            options = self._near_nics(options, nic)
+        chosen, last_error = self._first_fit(options, free, count)
+        if chosen is not None:
+            return chosen
+        if strict and nic is not None:
+            raise self._no_room_near_nics(workload, count, isolated, free, nic)
+        pool = "isolated CPUs" if isolated else "CPUs"
+        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
+        raise PolicyError(
+            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
+            f"{free or 'none'} ({len(free)}): {reason}"
+        )
+
+    def _first_fit(
+        self, options: list[_Source], free: CPUSet, count: int
+    ) -> tuple[tuple[CPUSet, str] | None, AllocationError | None]:
+        """The CPUs of the first source with room and why; else None and the last
+        allocator error."""
+        last_error: AllocationError | None = None
+        for exact, cpus, why in options:
+            if exact:
+                if cpus <= free:
+                    return (cpus, why), None
+                continue
+            if len(cpus) < count and cpus is not free:
+                continue  # too small to try; the whole free pool is always tried (its error)
+            try:
+                return (self.allocator.allocate(cpus, count), why), None
+            except AllocationError as err:
+                last_error = err
+        return None, last_error
+
+    def _sources(
+        self,
+        state: NodeState,
+        workload: Workload,
+        count: int,
+        isolated: bool,
+        unavailable: CPUSet,
+    ) -> tuple[CPUSet, list[_Source]]:
+        """The free CPUs, and where a container's CPUs come from in order of preference: its
+        previous CPUs (a restart), its pod's earmark, its pod's finished init containers'
+        CPUs, then any free CPUs.  A source is (exact: the set itself or nothing, CPUs, why)."""
         free = self.free_exclusive(state, isolated) - unavailable
         mark = state.earmarks.get(workload.pod_uid)
         marked = mark.cpus - unavailable if mark is not None and not isolated else CPUSet()
@@ -401,8 +452,7 @@ class StaticPolicy:
                 if uid == workload.pod_uid and r.kind == "init"
             )
         )
-        # (exact set or pool to allocate from, why) in order of preference.
-        options: list[tuple[bool, CPUSet, str]] = []
+        options: list[_Source] = []
         if previous is not None and len(previous.cpus) == count:
             options.append((True, previous.cpus, "restarted container got its previous CPUs back"))
         if len(marked) >= count:
@@ -410,44 +460,31 @@ class StaticPolicy:
         if workload.kind != "init":
             options.append((False, reusable, "reused finished init containers' CPUs"))
         options.append((False, free, "allocated by topology"))
-        strict = False
-        if nic is not None and nic.nodes:
-            strict = nic.strict
-            near = self.node_cpus(nic.nodes)
-            where = f"next to its NICs on NUMA {nic.nodes}"
-            local = [
-                (exact, cpus if exact else cpus & near, f"{why}, {where}")
-                for exact, cpus, why in options
-                if not exact or cpus <= near
-            ]
-            options = local if strict else local + options
-        last_error: AllocationError | None = None
-        for exact, cpus, why in options:
-            if exact:
-                if cpus <= free:
-                    return cpus, why
-                continue
-            if len(cpus) < count and cpus is not free:
-                continue  # too small to try; the whole free pool is always tried (its error)
-            try:
-                return self.allocator.allocate(cpus, count), why
-            except AllocationError as err:
-                last_error = err
+        return free, options
+
+    def _near_nics(self, options: list[_Source], nic: NICPreference) -> list[_Source]:
+        """The sources narrowed to the NICs' NUMA nodes: instead of the others when locality
+        is strict, before them otherwise."""
+        near = self.node_cpus(nic.nodes)
+        where = f"next to its NICs on NUMA {nic.nodes}"
+        local = [
+            (exact, cpus if exact else cpus & near, f"{why}, {where}")
+            for exact, cpus, why in options
+            if not exact or cpus <= near
+        ]
+        return local if nic.strict else local + options
+
+    def _no_room_near_nics(
+        self, workload: Workload, count: int, isolated: bool, free: CPUSet, nic: NICPreference
+    ) -> PolicyError:
         pool = "isolated CPUs" if isolated else "CPUs"
-        if strict:
-            assert nic is not None
-            near_free = free & self.node_cpus(nic.nodes)
-            raise PolicyError(
-                f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
-                f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
-                f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
-                f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
-                "free CPUs on that node"
-            )
-        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
-        raise PolicyError(
-            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
-            f"{free or 'none'} ({len(free)}): {reason}"
+        near_free = free & self.node_cpus(nic.nodes)
+        return PolicyError(
+            f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
+            f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
+            f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
+            f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
+            "free CPUs on that node"
         )
 
     def node_cpus(self, nodes: Iterable[int]) -> CPUSet:

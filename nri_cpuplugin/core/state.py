@@ -16,10 +16,10 @@ from ..base.errors import PluginError
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
 try:
-    from _sha256 import sha256  # CPython 3.11
+    from _sha256 import sha256  # type: ignore[import-not-found]  # CPython 3.11
 except ImportError:  # pragma: no cover - other versions
     try:
-        from _sha2 import sha256  # CPython >= 3.12
+        from _sha2 import sha256  # type: ignore[import-not-found]  # CPython >= 3.12
     except ImportError:
         from hashlib import sha256
 from ..base.value import Value, cached_property
@@ -228,7 +228,8 @@ def _earmark_body(e: Earmark) -> dict[str, Any]:
 
 def checksum(body: Mapping[str, Any]) -> str:
     canonical = {k: v for k, v in body.items() if k != "checksum"}
-    return "sha256:" + sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    digest: str = sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    return "sha256:" + digest
 
 
 def encode(state: NodeState) -> bytes:
@@ -270,7 +271,7 @@ def decode(data: bytes) -> NodeState:
 
 
 def _kind(entry: Mapping) -> str:
-    kind = shape.string(entry, "kind")
+    kind: str = shape.string(entry, "kind")
     if kind not in CONTAINER_KINDS:
         raise ValueError(f"unknown container kind {kind!r}")
     return kind
@@ -353,22 +354,9 @@ def _strings(doc: Mapping, key: str) -> dict[str, str]:
 
 
 def _check_consistent(state: NodeState) -> None:
-    seen: dict[int, str] = {}
-    owed: dict[int, str] = {}
-    for cid, assignment in state.assignments.items():
-        if not assignment.cpus and not assignment.lost:
-            raise StateFormatError(f"assignment {cid!r} has no CPUs")
-        for cpu in assignment.cpus:
-            if cpu in seen:
-                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
-            seen[cpu] = cid
-        for cpu in assignment.lost:
-            if cpu in owed:
-                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
-            owed[cpu] = cid
-    for cpu, cid in owed.items():
-        if cpu in seen:
-            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    """No CPU in two places: held, owed, earmarked and shared are disjoint (owed ones may be
+    shared meanwhile), and the shared pool has a CPU."""
+    seen, owed = _held_and_owed(state)
     for uid, earmark in state.earmarks.items():
         if not earmark.cpus:
             raise StateFormatError(f"the earmark of pod {uid!r} has no CPUs")
@@ -385,3 +373,25 @@ def _check_consistent(state: NodeState) -> None:
         raise StateFormatError(f"CPUs {overlap} are both shared and held or earmarked")
     if not state.shared:
         raise StateFormatError("the shared pool is empty")
+
+
+def _held_and_owed(state: NodeState) -> tuple[dict[int, str], dict[int, str]]:
+    """Which container holds each assigned CPU, and which is owed each lost one: each CPU
+    in one place only."""
+    seen: dict[int, str] = {}
+    owed: dict[int, str] = {}
+    for cid, assignment in state.assignments.items():
+        if not assignment.cpus and not assignment.lost:
+            raise StateFormatError(f"assignment {cid!r} has no CPUs")
+        for cpu in assignment.cpus:
+            if cpu in seen:
+                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
+            seen[cpu] = cid
+        for cpu in assignment.lost:
+            if cpu in owed:
+                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
+            owed[cpu] = cid
+    for cpu, cid in owed.items():
+        if cpu in seen:
+            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    return seen, owed

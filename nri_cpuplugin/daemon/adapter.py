@@ -63,7 +63,7 @@ class NRIAdapter:
             # Decided at StartContainer: any consultation at creation costs the runtime's
             # CreateContainer its own NRI round trip (docs/architecture.md, "Pinning at start").
             unwanted |= EVENT_BITS["create_container"]
-        handled = getattr(self.stub, "handled_events", None)
+        handled: int | None = getattr(self.stub, "handled_events", None)
         if not unwanted or handled is None:
             return None  # every handler's event
         return handled & ~unwanted

@@ -63,7 +63,7 @@ def _create(
         node.metrics.pinning_request()
     node.audit.emit(outcome.events)
     cid = workload.container_id
-    tracked = before is not None and (cid in before.assignments or cid in before.sharing)
+    tracked = cid in before.assignments or cid in before.sharing
     undo = None if tracked else ev.Release(cid, "creation answered with an error")
     return effects.evolve(undo=undo)
 

@@ -130,13 +130,13 @@ class Deadline:
         )
         budget = self.budget
         if await self.worker.finished(job, budget):
-            return job.outcome()
+            return self._outcome(job)
         workload = getattr(event, "workload", None)
         job.subject = subject_of(event)
         answer, fallback = FALLBACKS[type(event)](self.node, event)
         job.answered = fallback
         if not job.abandon(answer):
-            return job.outcome()  # it ended meanwhile
+            return self._outcome(job)  # it ended meanwhile
         identity = workload.identity() if workload is not None else {}
         if answer == FALLBACK:
             self._missed(job, budget, ANSWERED[type(event)](fallback), identity)
@@ -156,6 +156,11 @@ class Deadline:
         done, before the daemon exits; whether it was."""
         job = self.worker.submit("drain", self._handle, ev.CommitHeld())
         return await self.worker.finished(job, timeout)
+
+    @staticmethod
+    def _outcome(job: Job) -> Effects:
+        effects: Effects = job.outcome()  # (a Job carries what its function returned: Any)
+        return effects
 
     # --- on the worker ----------------------------------------------------------------------------
 

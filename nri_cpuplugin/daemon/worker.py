@@ -322,7 +322,7 @@ class Worker:
         if done:
             return True
         # Slow: free the event loop (metrics, the runtime's replies, hotplug) meanwhile.
-        waiter = job.loop.create_future()
+        waiter: asyncio.Future[bool] = job.loop.create_future()
         if not job._wait_with(waiter):
             return True
         timer = None
