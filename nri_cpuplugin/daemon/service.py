@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..hardware import hotplug
+from ..hardware.systemd_units import bus_path
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge
@@ -26,7 +27,7 @@ from .adapter import NRIAdapter
 from .deadline import DRAIN_TIMEOUT, Deadline
 from .node import Node
 from .pod_nics import PodNICs
-from .units import SystemdUnits, bus_path
+from .units import SystemdUnits
 from .worker import Worker, _call_soon
 from .writer import Units
 

@@ -13,36 +13,14 @@ systemd is slow, and names the cause.
 
 from __future__ import annotations
 
-import os
-
 from ..hardware import cpusets
-from ..hardware.systemd_units import (
-    SYSTEM_BUS,
-    SYSTEMD_PRIVATE,
-    SystemdClient,
-    SystemdError,
-    unit_name,
-)
+from ..hardware.systemd_units import SystemdClient, SystemdError, unit_name
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 
 # How long one batch may wait for systemd: well inside a request's budget (1.5 s by default);
 # a slower systemd makes the request miss its deadline, which says so.
 TIMEOUT = 1.0
-
-
-def bus_path(setting: str) -> str | None:
-    """The socket to reach systemd on for ``[systemd] bus``: "auto" (systemd's own private
-    socket when systemd is PID 1 and we are root - no bus daemon in between - else the system
-    bus, if there is one), "off", or a path.  None: the runtime applies every change to
-    containers of the systemd driver (through ``runc update``, one per container)."""
-    if setting == "off":
-        return None
-    if setting != "auto":
-        return setting
-    if os.geteuid() == 0 and os.path.exists(SYSTEMD_PRIVATE):
-        return SYSTEMD_PRIVATE
-    return SYSTEM_BUS if os.path.exists(SYSTEM_BUS) else None
 
 
 class SystemdUnits:

@@ -173,6 +173,19 @@ def set_allowed_call(serial: int, unit: str, cpus: bytes, mems: bytes | None) ->
     )
 
 
+def bus_path(setting: str) -> str | None:
+    """The socket to reach systemd on for ``[systemd] bus``: "auto" (systemd's own private
+    socket when systemd is PID 1 and we are root - no bus daemon in between - else the system
+    bus, if there is one), "off", or a path.  None: nothing is changed through systemd."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    if os.geteuid() == 0 and os.path.exists(SYSTEMD_PRIVATE):
+        return SYSTEMD_PRIVATE
+    return SYSTEM_BUS if os.path.exists(SYSTEM_BUS) else None
+
+
 # --- results --------------------------------------------------------------------------------
 
 

@@ -25,11 +25,12 @@ def apply_targets(
     current: Workload | None,
     fault: Callable[[str], None],
     was_exclusive: Collection[str] = (),
-) -> list[str]:
+) -> tuple[list[str], list[tuple[Record, Target]]]:
     """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
     then CPUs given, the new container last.  One transaction: all or nothing.  Returns
-    one line per cgroup written.  ``was_exclusive``: containers that held exclusive CPUs
-    before this run; those now shared get their parent's memory nodes back."""
+    one line per cgroup written, and what was written where (for systemd: hook/units.py).
+    ``was_exclusive``: containers that held exclusive CPUs before this run; those now shared
+    get their parent's memory nodes back."""
     plan = _plan(engine, state, targets, requested, was_exclusive)
     current_id = current.container_id if current is not None else None
     others = [p for p in plan if p[1].container_id != current_id]
@@ -48,7 +49,7 @@ def apply_targets(
     written += _write(tx, mine, current_id)
     if current is not None:
         fault("container-written")
-    return written
+    return written, plan
 
 
 def _plan(

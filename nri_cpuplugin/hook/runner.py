@@ -41,7 +41,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage import owner
 from ..storage.store import Expected, StateStore
-from . import containers, oci
+from . import containers, oci, units
 from .apply import apply_targets
 from .failure import EXIT_OK, EXIT_REFUSED, HookFailure
 from .records import Record, Records
@@ -181,7 +181,7 @@ class Hook:
             committed = self._commit(fs, dir_fd, view, outcome, placed)
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
-            writes = self._write(fs, engine, dir_fd, view, outcome.state, committed, placed)
+            writes, unkept = self._write(fs, engine, dir_fd, view, outcome.state, committed, placed)
             returned, errors = self._return_evicted(fs, view, committed.targets)
             self._forget_records(dir_fd, view, outcome.state, committed.targets)
             self._fault("cleaned")
@@ -192,6 +192,7 @@ class Hook:
         self._report_unsaved(committed)
         self.audit.emit(outcome.events, **extra)
         self._report_repairs(returned, grown + errors)
+        self._report_unkept(unkept)
         if refusal is not None and workload is not None:
             raise HookFailure(
                 str(refusal),
@@ -265,12 +266,14 @@ class Hook:
         state: NodeState,
         committed: _Committed,
         placed: _Placing | None,
-    ) -> list[str]:
-        """The cgroup writes of the committed state; when they fail (every write undone), a
-        new placement is withdrawn from the state again."""
+    ) -> tuple[list[str], list[str]]:
+        """The cgroup writes of the committed state, then the systemd units' properties of
+        those that are scopes (hook/units.py): (one line per write, one per unit systemd did
+        not take).  When the writes fail (every write undone), a new placement is withdrawn
+        from the state again."""
         try:
             held = view.loaded.state.assignments
-            return apply_targets(
+            written, plan = apply_targets(
                 fs,
                 engine,
                 state,
@@ -286,6 +289,7 @@ class Hook:
                 self.store.commit(view.observed.state)
                 self.records.remove(dir_fd, [placed.workload.container_id])
             raise HookFailure(str(err)) from None
+        return written, units.tell_systemd(units.scope_changes(fs, plan), self.settings.systemd_bus)
 
     def _forget_records(
         self, dir_fd: int, view: _View, state: NodeState, targets: Mapping[str, Record]
@@ -294,6 +298,16 @@ class Hook:
         old state still named them."""
         keep = set(state.assignments) | set(state.sharing) | targets.keys()
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
+
+    def _report_unkept(self, unkept: list[str]) -> None:
+        if unkept:
+            self.audit.record(
+                "systemd",
+                "cpusets written to cgroups that systemd may put back (it did not take them as "
+                f"the units' properties): {'; '.join(unkept)}",
+                WARNING,
+                reason="systemd",
+            )
 
     def _report_unsaved(self, committed: _Committed) -> None:
         unsaved = committed.unsaved

@@ -8,6 +8,8 @@ the QEMU guest (tests/guest/)."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +19,8 @@ from fake_systemd import FakeSystemd, PrivateBus
 from nri_messages import container, pod
 from topologies import build
 
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
 POOL = "0,2-24,26-47"  # once CPUs 1 and 25 are exclusive
@@ -136,3 +140,90 @@ def test_without_systemd_the_runtime_applies_as_before(tmp_path):
     _, updates = plugin.create_container(db, container("pg", db, 2000))
     assert [u.container_id for u in updates] == [nginx.id]
     plugin.close()
+
+
+# --- the OCI hook (CRI-O with cgroup_manager = "systemd") -----------------------------------------
+
+
+class HookNode:
+    """The hook in process on a FAKE cgroup v2 tree whose containers are systemd scopes, a fake
+    /proc and a generated 48-CPU sysfs (as tests/unit/test_hook_v2_fake.py, with CRI-O's
+    systemd-driver names)."""
+
+    def __init__(self, tmp_path, bus: str) -> None:
+        self.sysfs, _ = build("xeon-e5-2680v3-2s", tmp_path)
+        self.fake = FakeV2(tmp_path / "fake-cgroup2")
+        self.proc = tmp_path / "fake-proc"
+        self.bundles = tmp_path / "bundles"
+        self.state_dir = tmp_path / "state"
+        self.bus = bus
+        self.records: list[dict[str, str]] = []
+        self.pid = 1000
+
+    def container(self, cid: str, slice_: str, milli: int, pod: str, **effective: str) -> str:
+        parts = slice_.removesuffix(".slice").split("-")
+        slices = ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
+        cgroup = "/" + "/".join([*slices, f"crio-{cid}.scope"])
+        self.fake.mk(cgroup, cpu_max=f"{milli * 100} 100000", **effective)
+        self.pid += 1
+        (self.proc / str(self.pid)).mkdir(parents=True)
+        (self.proc / str(self.pid) / "cgroup").write_text(f"0::{cgroup}\n")
+        bundle = self.bundles / cid
+        bundle.mkdir(parents=True)
+        annotations = {
+            "io.kubernetes.pod.uid": pod,
+            "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": "ns",
+            "io.kubernetes.container.name": cid,
+        }
+        cpu = {"shares": max(2, milli * 1024 // 1000), "quota": milli * 100, "period": 100000}
+        (bundle / "config.json").write_text(
+            json.dumps({"annotations": annotations, "linux": {"resources": {"cpu": cpu}}})
+        )
+        return cgroup
+
+    def hook(self, cid: str) -> int:
+        state = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": self.pid}
+        state["bundle"] = str(self.bundles / cid)
+        settings = Settings(
+            sysfs=str(self.sysfs),
+            state_dir=str(self.state_dir),
+            reserved_cpu_count=2,
+            systemd_bus=self.bus,
+        )
+        options = hook.Options(cgroup_root=str(self.fake.root), proc=str(self.proc))
+        stdin = io.BytesIO(json.dumps(state).encode())
+        self.err = io.StringIO()
+        return hook.run(settings, options, stdin, self.err, Audit(self.records.append))
+
+
+def test_the_hook_keeps_its_cpusets_in_the_scopes_properties(tmp_path, systemd):
+    bus, fake_systemd = systemd
+    node = HookNode(tmp_path, bus.socket)
+    web = node.container("nginx", "kubepods-burstable-podweb.slice", 500, "web", effective="0-47")
+    assert node.hook("nginx") == 0, node.err.getvalue()
+    # What the kernel will report once the shared container shrinks.
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text(POOL)
+    db = node.container(
+        "pg", "kubepods-poddb.slice", 2000, "db", effective="1,25", mems_effective="0"
+    )
+    assert node.hook("pg") == 0, node.err.getvalue()
+    assert node.fake.read(db, "cpuset.cpus") == "1,25"
+    units = {c["unit"]: c["properties"] for c in fake_systemd.calls()}
+    assert units["crio-pg.scope"] == [
+        ["AllowedCPUs", "ay", "02000002"],
+        ["AllowedMemoryNodes", "ay", "01"],
+    ]
+    mask = int.from_bytes(bytes.fromhex(units["crio-nginx.scope"][0][2]), "little")
+    assert {cpu for cpu in range(48) if mask >> cpu & 1} == set(range(48)) - {1, 25}
+    assert not [r for r in node.records if r["ACTION"] == "systemd"]
+
+
+def test_the_hook_says_when_systemd_did_not_take_a_cpuset(tmp_path, systemd):
+    bus, _ = systemd
+    node = HookNode(tmp_path, bus.socket)
+    node.container("pg-denied", "kubepods-poddb.slice", 2000, "db", effective="1,25",
+                   mems_effective="0")  # fmt: skip
+    assert node.hook("pg-denied") == 0  # the cgroup is written: the container runs pinned
+    [record] = [r for r in node.records if r["ACTION"] == "systemd"]
+    assert "crio-pg-denied.scope" in record["MESSAGE"]
