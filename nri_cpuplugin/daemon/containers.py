@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
 from ..core.engine import Outcome, Target
-from ..core.policy import PolicyError, describe
+from ..core.policy import PolicyError, StaticPolicy, describe
 from ..core.workload import Workload
 from ..hardware import nic
 from ..ops import audit as audit_mod
@@ -231,13 +231,15 @@ def _set_right(
         return
     taken = on & node.state.exclusive
     if taken and refuse:
-        raise PolicyError(
+        err = PolicyError(
             f"{describe(workload)} was created with CPUs {on}, of which {taken} are exclusive "
             f"now, and it could not be moved to the shared pool {target.cpus} "
             f"({node.writer.why_not(node.state.cgroups.get(cid, ''))}): it is not started "
             "now, and kubelet retries it",
             "cgroup-write",
         )
+        node.audit.emit([node.engine.refused(workload, err)])
+        raise err
     node.owed.add([cid])
     node.audit.record(
         "share",
@@ -290,7 +292,20 @@ def update(node: Node, event: ev.UpdateContainer, deliver: Deliver = keep) -> Ef
     request resizes the container (core/resize.py); anything else keeps our cpuset in
     force.  A growth that cannot be met fails the update: kubelet reports the resize as
     failed and retries.  The runtime applies the entry for the container being updated
-    last, in place of the CRI request (nri-wire §11.3)."""
+    last, in place of the CRI request, after the call has returned (nri-wire §11.3): a
+    container owed stays owed to the next reply, which the runtime applies at once - before
+    it creates a container on the CPUs this one must leave."""
+    workload = event.workload
+    cid = workload.container_id
+    owed_before = cid in node.owed
+    try:
+        return _update(node, event)
+    finally:
+        if owed_before:
+            node.owed.add([cid])
+
+
+def _update(node: Node, event: ev.UpdateContainer) -> Effects:
     workload = event.workload
     cid = workload.container_id
     if not event.resize:
@@ -308,11 +323,39 @@ def update(node: Node, event: ev.UpdateContainer, deliver: Deliver = keep) -> Ef
         node.audit.emit([node.engine.refused(workload, error)])
         raise error from None
     node.audit.emit(outcome.events)
+    changed = outcome.state is not before
+    targets, unwritten = list(outcome.targets), False
+    if changed:
+        targets, unwritten = _write_resized(node, cid, targets, StaticPolicy.cpuset_for(before, cid))
     carried = [cid, *(t.container_id for t in outcome.targets)]
     owed = node.routes.owed_targets(carried, node.engine, node.state)
-    effects = reply_to_update(node, cid, outcome.targets, owed)
-    changed = outcome.state is not before
+    effects = reply_to_update(node, cid, targets, owed)
+    if unwritten:
+        node.owed.add([cid])  # (after this reply's drain)
     return effects.evolve(undo=ev.Restore(cid, before, outcome.state) if changed else None)
+
+
+def _write_resized(
+    node: Node, cid: str, targets: list[Target], before: CPUSet
+) -> tuple[list[Target], bool]:
+    """A resize moves what it changed before its answer, as a creation does: the shared
+    containers first, then the container itself.  The runtime applies the answer's own entry
+    only after the call has returned, outside the lock that orders the other events
+    (docs/nri-wire.md §11.3): a container left on its old cpuset (``before``) until then would
+    run on CPUs that a decision made meanwhile (another pod's earmark, an exclusive creation)
+    hands out as no longer its own.  An exclusive container that grows onto CPUs of shared
+    containers the runtime must move waits for them (CPUs are taken away before they are
+    given).  Returns what this reply carries - the container's own entry (it replaces the CRI
+    request) and what could not be written - and whether the container itself was not
+    written: it is owed then, to the next reply that can carry updates (the one that creates
+    a container on those CPUs moves it at once)."""
+    own = [t for t in targets if t.container_id == cid]
+    unwritten = node.routes.write([t for t in targets if t.container_id != cid], node.state)
+    if not own:
+        return unwritten, False
+    target = own[0]
+    waits = target.exclusive and bool(unwritten) and not target.cpus <= before
+    return own + unwritten, waits or bool(node.routes.write(own, node.state))
 
 
 def reply_to_update(node: Node, cid: str, targets: Iterable[Target], owed: list[Target]) -> Effects:

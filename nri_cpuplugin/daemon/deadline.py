@@ -125,6 +125,8 @@ class Deadline:
                 return Effects(own=early)
         name = REQUESTS[type(event)]
         node = self.node
+        if isinstance(event, ev.StartContainer):
+            event = event.evolve(decides=node.query_decides_at_start(event.workload.container_id))
         job = self.worker.submit(
             name, self._handle, event, late=lambda job: finish_late(node, job), refusable=True
         )
@@ -229,10 +231,12 @@ def _creation(node: Node, event: ev.CreateContainer) -> tuple[str, Effects]:
 
 
 def _start(node: Node, event: ev.StartContainer) -> tuple[str, Effects]:
-    # Deciding (pin at start): an exclusive candidate is refused; a shared one starts on its
-    # pod's CPUs, and the event writes the shared pool when it ends.
+    # Deciding (pin at start): an exclusive candidate is refused - also when the node holds
+    # its decision already, not yet durable or written (a slow disk); a shared one starts on
+    # its pod's CPUs, and the event writes the shared pool when it ends.
     cid = event.workload.container_id
-    if node.query_decides_at_start(cid) and node.query_eligible(event.workload):
+    decides = event.decides or node.query_decides_at_start(cid)
+    if decides and node.query_eligible(event.workload):
         return ERROR, NO_EFFECTS
     return FALLBACK, NO_EFFECTS
 

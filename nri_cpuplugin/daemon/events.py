@@ -82,6 +82,10 @@ class StartContainer(Value):
     pod: Pod
     stored: Stored
     netns: str | None = None  # as for CreateContainer: pinning at start decides here
+    # Set by the deadline when the request comes: whether it was the container's decision
+    # then (pinning at start, not placed yet) - by the time its budget runs out, the node
+    # may hold the decision already, and the fallback must still be an error.
+    decides: bool = False
 
 
 class UpdateContainer(Value):

@@ -40,9 +40,16 @@ def release(node: Node, event: ev.Release, deliver: Deliver = keep) -> Effects:
 
 
 def restore(node: Node, event: ev.Restore, deliver: Deliver = keep) -> Effects:
+    """A resize answered with an error after it was made: the state before it again, and the
+    cgroups the resize wrote directly (daemon/containers.py) written back, or owed."""
     if node.state is event.after:  # else other work was committed since: the resize stands
         with node.file.locked(decides=False):
             node.commit(Outcome(event.before))
+        state, cid = node.state, event.container_id
+        targets = list(node.engine.update(state, cid).targets)
+        if event.after.shared != state.shared:
+            targets += node.engine.followers(state, exclude=cid)
+        node.routes.push(targets, state, "resize answered with an error")
     return NO_EFFECTS
 
 

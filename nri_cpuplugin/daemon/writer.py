@@ -51,11 +51,14 @@ class CgroupWriter:
         return is_cgroupfs_path(runtime_path) or self.units is not None
 
     def why_not(self, runtime_path: str) -> str:
-        """What makes a cgroupsPath one this writer cannot write, as a message says it."""
+        """What makes a cgroupsPath one this writer cannot write (or did not), as a message
+        says it."""
         if not runtime_path:
             return "no cgroup path"
         if self.liveness.layout() is None:
             return f"the cgroup {runtime_path!r}, and no cgroup filesystem is mounted here"
+        if self.can_write(runtime_path):  # it can be written, but was not
+            return f"the cgroup {runtime_path!r}, whose write failed"
         return (
             f"the systemd cgroup driver's unit {runtime_path!r}, and no connection to "
             "systemd to change its properties (a direct write would be undone by systemd)"
