@@ -26,6 +26,14 @@ import struct
 
 from ..base.errors import PluginError
 
+TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
+if TYPE_CHECKING:
+    from typing import Any, TypeAlias
+
+    # A complete type as parse_signature gives it: a type code (a basic type or "v"), or
+    # ("a", element), ("(", fields), ("{", key, value).
+    _Node: TypeAlias = str | tuple[Any, ...]
+
 # message types
 METHOD_CALL, METHOD_RETURN, ERROR, SIGNAL = 1, 2, 3, 4
 # flags
@@ -109,10 +117,10 @@ class Variant:
 
 # --- signatures -----------------------------------------------------------------------------
 
-_parsed: dict[str, tuple] = {}
+_parsed: dict[str, tuple[_Node, ...]] = {}
 
 
-def parse_signature(signature: str) -> tuple:
+def parse_signature(signature: str) -> tuple[_Node, ...]:
     """The complete types of ``signature`` as a tree: a type code string for basic types and
     ``v``, ``("a", element)``, ``("(", fields)``, ``("{", key, value)``.  Parsed once per
     distinct signature (a reply's signatures repeat)."""
@@ -131,7 +139,7 @@ def parse_signature(signature: str) -> tuple:
     return tree
 
 
-def _complete_type(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _complete_type(signature: str, position: int, arrays: int, structs: int) -> tuple[_Node, int]:
     code = signature[position]
     if code in _BASIC or code == "v":
         return code, position + 1
@@ -158,7 +166,7 @@ def _complete_type(signature: str, position: int, arrays: int, structs: int) -> 
     raise DBusWireError(f"signature {signature!r}: {code!r} is not a type here")
 
 
-def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tuple[_Node, int]:
     # a{kv}: only directly inside an array, a basic key, exactly one value
     if structs >= MAX_DEPTH:
         raise DBusWireError(f"signature {signature!r} nests structs deeper than 32")
@@ -171,7 +179,9 @@ def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tup
     return ("a", ("{", key, value)), end + 1
 
 
-def _complete_type_checked(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _complete_type_checked(
+    signature: str, position: int, arrays: int, structs: int
+) -> tuple[_Node, int]:
     if position >= len(signature):
         raise DBusWireError(f"signature {signature!r} ends inside a dict entry")
     return _complete_type(signature, position, arrays, structs)
@@ -184,7 +194,9 @@ def _pad(buf: bytearray, alignment: int) -> None:
     buf += b"\0" * (-len(buf) % alignment)
 
 
-def _write(buf: bytearray, node: object, value: object) -> None:
+# value: what the caller gave for the type node; only the signature, at run time, says its
+# shape (Any: a value of the wrong shape raises as Python does with it)
+def _write(buf: bytearray, node: _Node, value: Any) -> None:
     if isinstance(node, str):
         if node in _FIXED:
             fmt, size = _FIXED[node]
@@ -244,7 +256,7 @@ def _write(buf: bytearray, node: object, value: object) -> None:
             _write(buf, field, item)
 
 
-def _alignment(node: object) -> int:
+def _alignment(node: _Node) -> int:
     return _ALIGN[node if isinstance(node, str) else node[0]]
 
 
@@ -376,7 +388,7 @@ class _Reader:
                 f"value of {size} bytes at offset {self.position} overruns the message"
             )
 
-    def read(self, node: object, depth: int) -> object:
+    def read(self, node: _Node, depth: int) -> object:
         if isinstance(node, str):
             if node in _FIXED:
                 fmt, size = _FIXED[node]
@@ -399,14 +411,9 @@ class _Reader:
                     raise DBusWireError(f"{text!r} is not a D-Bus object path")
                 return text
             if node == "g":
-                self.need(1)
-                size = self.data[self.position]
-                self.position += 1
-                text = self.text(size)
-                parse_signature(text)
-                return text
+                return self.signature()
             # v
-            signature = self.read("g", depth)
+            signature = self.signature()
             types = parse_signature(signature)
             if len(types) != 1:
                 raise DBusWireError(f"variant signature {signature!r} is not one complete type")
@@ -467,7 +474,7 @@ class _Reader:
             self.need(1)
             code = self.data[self.position]
             self.position += 1
-            signature = self.read("g", 0)
+            signature = self.signature()
             expected = _FIELD_TYPES.get(code)
             if expected is None:
                 types = parse_signature(signature)
@@ -481,6 +488,15 @@ class _Reader:
         if self.position != stop:
             raise DBusWireError(f"header fields overrun their length of {size} bytes")
         return fields
+
+    def signature(self) -> str:
+        """A ``g`` value, checked to be a valid signature."""
+        self.need(1)
+        size = self.data[self.position]
+        self.position += 1
+        text = self.text(size)
+        parse_signature(text)
+        return text
 
     def text(self, size: int) -> str:
         self.need(size + 1)
@@ -508,37 +524,45 @@ class Message:
         self.fields = fields
         self.body = body
 
+    # parse_message reads each known field by its specified type (_FIELD_TYPES): REPLY_SERIAL
+    # is an int, the others str; the isinstance checks say so to the type checker.
+
     @property
     def reply_serial(self) -> int | None:
-        return self.fields.get(REPLY_SERIAL)
+        serial = self.fields.get(REPLY_SERIAL)
+        return serial if isinstance(serial, int) else None
+
+    def _text_field(self, code: int) -> str | None:
+        value = self.fields.get(code)
+        return value if isinstance(value, str) else None
 
     @property
     def error_name(self) -> str | None:
-        return self.fields.get(ERROR_NAME)
+        return self._text_field(ERROR_NAME)
 
     @property
     def sender(self) -> str | None:
-        return self.fields.get(SENDER)
+        return self._text_field(SENDER)
 
     @property
     def member(self) -> str | None:
-        return self.fields.get(MEMBER)
+        return self._text_field(MEMBER)
 
     @property
     def interface(self) -> str | None:
-        return self.fields.get(INTERFACE)
+        return self._text_field(INTERFACE)
 
     @property
     def path(self) -> str | None:
-        return self.fields.get(PATH)
+        return self._text_field(PATH)
 
     @property
     def destination(self) -> str | None:
-        return self.fields.get(DESTINATION)
+        return self._text_field(DESTINATION)
 
     @property
     def signature(self) -> str:
-        return self.fields.get(SIGNATURE) or ""
+        return self._text_field(SIGNATURE) or ""
 
     def error_text(self) -> str:
         """An error reply's message (its first argument when that is a string)."""
@@ -566,7 +590,7 @@ def message_size(data: bytes | bytearray | memoryview, offset: int = 0) -> int |
     (fields,) = struct.unpack_from("<I" if data[offset] == ord("l") else ">I", data, offset + 12)
     if fields > MAX_ARRAY:
         raise DBusWireError(f"header fields of {fields} bytes (at most {MAX_ARRAY})")
-    size = 16 + fields + (-(16 + fields) % 8) + body
+    size: int = 16 + fields + (-(16 + fields) % 8) + body
     if size > MAX_MESSAGE:
         raise DBusWireError(f"message of {size} bytes (at most {MAX_MESSAGE})")
     if serial == 0:
@@ -590,6 +614,7 @@ def parse_message(data: bytes) -> Message | None:
     if missing:
         raise DBusWireError(f"message of type {kind} lacks header fields {missing}")
     signature = fields.get(SIGNATURE, "")
+    assert isinstance(signature, str)  # header_fields reads SIGNATURE as a "g": a str
     body: tuple = ()
     if body_size or signature:
         body = tuple(reader.read(node, 0) for node in parse_signature(signature))
