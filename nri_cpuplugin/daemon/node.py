@@ -78,7 +78,8 @@ class Node:
         self.audit = audit
         self.metrics: Any = NoMetrics()
         self.progress = progress or NoProgress()
-        self.pod_nics = pod_nics or PodNICs()
+        # (Not ``pod_nics or``: an empty one is false, and the adapter fills the one given.)
+        self.pod_nics = pod_nics if pod_nics is not None else PodNICs()
         self.later = later
         self._units = units
         self.owed = Owed()

@@ -5,6 +5,7 @@ to, and takes back or owes what a request answered without its decision did late
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -18,6 +19,8 @@ from .effects import NO_EFFECTS, Deliver, Effects, keep
 from .online import engine_for_online_cpus
 from .routes import cgroup_target
 from .unverified import PINNED_EVERY, SWEEP_BATCH, SWEEP_INTERVAL
+
+log = logging.getLogger("nri_cpuplugin")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -127,10 +130,8 @@ def start_sweep(node: Node) -> None:
 def sweep(node: Node, event: ev.SweepRound, deliver: Deliver = keep) -> Effects:
     """One round of the sweep; the next is scheduled while there is more to check."""
     node.sweeping = False
-    try:
-        sweep_round(node)
-    finally:  # a round that failed ends the chain; the next Configure begins a new one
-        start_sweep(node)
+    sweep_round(node)  # a round that fails ends the chain; the next Configure begins a new one
+    start_sweep(node)
     return NO_EFFECTS
 
 
@@ -145,8 +146,12 @@ def sweep_round(node: Node) -> None:
     forget_gone_pods(node)
     if not node.unverified:
         return
-    with node.file.locked():
-        outcome = forget_ended(node, limit=SWEEP_BATCH)
+    try:
+        with node.file.locked():
+            outcome = forget_ended(node, limit=SWEEP_BATCH)
+    except Exception as err:  # a lock that cannot be had, a check that failed: the next round
+        log.warning("checking unverified containers failed: %s", err)
+        return
     node.routes.push(outcome.targets, node.state, "ended unseen")
 
 

@@ -224,7 +224,7 @@ def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -
 # somewhere new belongs here; the unit (and the DaemonSet's mounts) must then allow it.
 DAEMON_WRITES = {
     cgroupfs.DEFAULT_ROOT: "shared containers' cpusets when the pool changes "
-    "(CPUPlugin._write_followers), cpuset repairs after CPU hotplug (CPUPlugin._repair_cgroups)",
+    "(CgroupWriter.write), cpuset repairs after CPU hotplug (CgroupWriter.repair)",
 }
 # systemd.exec(5): what ProtectSystem=strict leaves to other settings, and which setting that is.
 API_FILESYSTEMS = {"/dev": "PrivateDevices", "/proc": "ProtectKernelTunables",
@@ -288,7 +288,7 @@ fi
 mount -t proc -o hidepid=invisible,subset=pid proc /proc
 exec setpriv --bounding-set=-all --inh-caps=-all --ambient-caps=-all --no-new-privs -- "$@"
 """
-# What the daemon does after CPU hotplug on cgroup v1 (CPUPlugin._repair_cgroups): ancestors
+# What the daemon does after CPU hotplug on cgroup v1 (CgroupWriter.repair): ancestors
 # grown, the container's cpuset written, evicted processes put back - the same functions.
 REPAIR = r"""
 import json, sys

@@ -13,7 +13,7 @@ import pytest
 from fake_runtime import FakeRuntime
 from topologies import build
 
-from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.daemon.service import Daemon
 from nri_cpuplugin.nri import stub as stub_module
 from nri_cpuplugin.nri.handlers import (
     SubscriptionError,
@@ -472,14 +472,15 @@ def test_handler_name_that_is_not_callable_is_an_error():
         Stub(plugin, "x", "10")
 
 
-def test_cpu_plugin_is_not_flagged(tmp_path):
+def test_the_daemons_adapter_is_not_flagged(tmp_path):
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
-    plugin = CPUPlugin(settings, Audit(lambda record: None))
-    stub = Stub(plugin, "cpuplugin", "50")
-    # create (4), start (6), update (8), stop (10), remove_container (11), run_pod_sandbox (1),
-    # remove_pod_sandbox (3), update_pod_sandbox (12; only where the runtime's NRI is >= 0.10)
-    assert stub.events == 0x8 | 0x20 | 0x80 | 0x200 | 0x400 | 0x1 | 0x4 | 0x800
+    daemon = Daemon(settings, Audit(lambda record: None))
+    stub = Stub(daemon.adapter, "cpuplugin", "50")
+    # create (4), start (6), update (8), post_update_container (9), stop (10),
+    # remove_container (11), run_pod_sandbox (1), remove_pod_sandbox (3), update_pod_sandbox
+    # (12; only where the runtime's NRI is >= 0.10)
+    assert stub.events == 0x8 | 0x20 | 0x80 | 0x100 | 0x200 | 0x400 | 0x1 | 0x4 | 0x800
 
 
 # --- NRI 0.10-0.12: the runtime's version, pod updates, per-event methods ---------------------
