@@ -15,7 +15,8 @@ calls are pipelined on one connection, at most ``WINDOW`` unanswered at a time, 
 answers collected within one deadline; each unit gets its own ``UnitResult``.  The protocol
 is a sans-I/O ``Conversation`` (bytes in, results out) under two thin clients: ``SystemdClient``
 (blocking, for the OCI hook and the daemon's worker thread; it imports neither ``socket`` nor
-``asyncio``) and ``AsyncSystemdClient`` (asyncio, one connection kept for the daemon's life).
+``asyncio``) and ``AsyncSystemdClient`` (asyncio, one connection kept; the daemon does not use
+it yet).
 
 Unit names come from the runtime (a container's cgroupsPath) and are checked against systemd's
 unit name rules before they go on the bus.
