@@ -57,20 +57,32 @@ def owe(node: Node, event: ev.Owe, deliver: Deliver = keep) -> Effects:
 def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> Effects:
     """Kernel uevents: the engine follows the new online set (replacement, degraded,
     return), and cgroups are written directly (cgroup v1 never gives a CPU back by
-    itself), CFS quotas included; the runtime hears of it from our next replies."""
+    itself), CFS quotas included; the runtime hears of it from our next replies.  A failure
+    is said loudly: the daemon runs on, and the next start follows the CPUs again."""
+    try:
+        _follow_online(node, event)
+    except Exception as err:
+        log.exception("following CPU hotplug failed")
+        node.audit.record(
+            "hotplug", f"following CPU hotplug failed: {err}", audit_mod.ERR, reason=str(err)
+        )
+    return NO_EFFECTS
+
+
+def _follow_online(node: Node, event: ev.CPUsChanged) -> None:
     old = node.engine
     settings = node.settings
     engine = engine_for_online_cpus(
         settings.sysfs, old, settings.cfs_quota, event.events, node.audit
     )
     if engine is None:
-        return NO_EFFECTS
+        return
     node.engine = engine
     went = old.topology.online - engine.topology.online
     came = engine.topology.online - old.topology.online
     node.returned |= came
     if not node.loaded:
-        return NO_EFFECTS  # load_state() repairs against this topology
+        return  # load_state() repairs against this topology
     before = node.state
     with node.file.locked():
         outcome = node.commit(engine.follow(node.state, old.policy))
@@ -91,7 +103,6 @@ def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> 
     if went and emptied:
         for delay in EVICTION_RECHECKS:
             node.later(delay, ev.RecheckEvictions(emptied))
-    return NO_EFFECTS
 
 
 def repair_cgroups(node: Node, cids: Iterable[str], grow: CPUSet | None) -> list[str]:

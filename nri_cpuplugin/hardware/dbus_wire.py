@@ -28,6 +28,7 @@ from ..base.errors import PluginError
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, TypeAlias
 
     # A complete type as parse_signature gives it: a type code (a basic type or "v"), or
@@ -194,66 +195,92 @@ def _pad(buf: bytearray, alignment: int) -> None:
     buf += b"\0" * (-len(buf) % alignment)
 
 
-# value: what the caller gave for the type node; only the signature, at run time, says its
-# shape (Any: a value of the wrong shape raises as Python does with it)
+# value (here and in the _write_* below): what the caller gave for the type node; only the
+# signature, at run time, says its shape (Any: a value of the wrong shape raises as Python does
+# with it)
 def _write(buf: bytearray, node: _Node, value: Any) -> None:
     if isinstance(node, str):
-        if node in _FIXED:
-            fmt, size = _FIXED[node]
-            _pad(buf, size)
-            if node == "b":
-                value = 1 if value else 0
-            try:
-                buf += struct.pack("<" + fmt, value)
-            except struct.error as e:
-                raise DBusWireError(f"{value!r} does not fit D-Bus type {node!r}: {e}") from None
-        elif node in "so":
-            data = _text(value, node)
-            _pad(buf, 4)
-            buf += struct.pack("<I", len(data)) + data + b"\0"
-        elif node == "g":
-            parse_signature(value)
-            data = _text(value, node)
-            buf += bytes((len(data),)) + data + b"\0"
-        else:  # v
-            if not isinstance(value, Variant):
-                raise DBusWireError(f"a variant needs a Variant, not {type(value).__name__}")
-            types = parse_signature(value.signature)
-            if len(types) != 1:
-                raise DBusWireError(f"variant signature {value.signature!r} is not one type")
-            _write(buf, "g", value.signature)
-            _write(buf, types[0], value.value)
-        return
-    kind = node[0]
-    if kind == "a":
-        element = node[1]
-        _pad(buf, 4)
-        at = len(buf)
-        buf += b"\0\0\0\0"
-        _pad(buf, _alignment(element))
-        start = len(buf)  # the length counts from the first element, after its padding
-        if element == "y":
-            buf += bytes(value)
-        elif isinstance(element, tuple) and element[0] == "{":
-            items = value.items() if isinstance(value, dict) else value
-            for key, item in items:
-                _pad(buf, 8)
-                _write(buf, element[1], key)
-                _write(buf, element[2], item)
-        else:
-            for item in value:
-                _write(buf, element, item)
-        size = len(buf) - start
-        if size > MAX_ARRAY:
-            raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
-        struct.pack_into("<I", buf, at, size)
+        _WRITE_BASIC[node](buf, node, value)
+    elif node[0] == "a":
+        _write_array(buf, node[1], value)
     else:  # struct
-        fields = node[1]
-        if not isinstance(value, (tuple, list)) or len(value) != len(fields):
-            raise DBusWireError(f"a struct of {len(fields)} fields needs as many values")
-        _pad(buf, 8)
-        for field, item in zip(fields, value, strict=True):
-            _write(buf, field, item)
+        _write_struct(buf, node[1], value)
+
+
+def _write_fixed(buf: bytearray, code: str, value: Any) -> None:
+    fmt, size = _FIXED[code]
+    _pad(buf, size)
+    try:
+        buf += struct.pack("<" + fmt, value)
+    except struct.error as e:
+        raise DBusWireError(f"{value!r} does not fit D-Bus type {code!r}: {e}") from None
+
+
+def _write_boolean(buf: bytearray, code: str, value: Any) -> None:
+    _write_fixed(buf, code, 1 if value else 0)
+
+
+def _write_string(buf: bytearray, code: str, value: Any) -> None:  # s, o
+    data = _text(value, code)
+    _pad(buf, 4)
+    buf += struct.pack("<I", len(data)) + data + b"\0"
+
+
+def _write_signature(buf: bytearray, code: str, value: Any) -> None:
+    parse_signature(value)
+    data = _text(value, code)
+    buf += bytes((len(data),)) + data + b"\0"
+
+
+def _write_variant(buf: bytearray, code: str, value: Any) -> None:
+    if not isinstance(value, Variant):
+        raise DBusWireError(f"a variant needs a Variant, not {type(value).__name__}")
+    types = parse_signature(value.signature)
+    if len(types) != 1:
+        raise DBusWireError(f"variant signature {value.signature!r} is not one type")
+    _write_signature(buf, "g", value.signature)
+    _write(buf, types[0], value.value)
+
+
+_WRITE_BASIC: dict[str, Callable[[bytearray, str, Any], None]] = {
+    **dict.fromkeys(_FIXED, _write_fixed),
+    "b": _write_boolean,
+    "s": _write_string,
+    "o": _write_string,
+    "g": _write_signature,
+    "v": _write_variant,
+}
+
+
+def _write_array(buf: bytearray, element: _Node, value: Any) -> None:
+    _pad(buf, 4)
+    at = len(buf)
+    buf += b"\0\0\0\0"
+    _pad(buf, _alignment(element))
+    start = len(buf)  # the length counts from the first element, after its padding
+    if element == "y":
+        buf += bytes(value)
+    elif isinstance(element, tuple) and element[0] == "{":
+        items = value.items() if isinstance(value, dict) else value
+        for key, item in items:
+            _pad(buf, 8)
+            _write(buf, element[1], key)
+            _write(buf, element[2], item)
+    else:
+        for item in value:
+            _write(buf, element, item)
+    size = len(buf) - start
+    if size > MAX_ARRAY:
+        raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
+    struct.pack_into("<I", buf, at, size)
+
+
+def _write_struct(buf: bytearray, fields: tuple[_Node, ...], value: Any) -> None:
+    if not isinstance(value, (tuple, list)) or len(value) != len(fields):
+        raise DBusWireError(f"a struct of {len(fields)} fields needs as many values")
+    _pad(buf, 8)
+    for field, item in zip(fields, value, strict=True):
+        _write(buf, field, item)
 
 
 def _alignment(node: _Node) -> int:
@@ -389,72 +416,98 @@ class _Reader:
             )
 
     def read(self, node: _Node, depth: int) -> object:
+        """The value of type ``node`` at the read position; ``depth``: the containers and
+        variants it is inside."""
         if isinstance(node, str):
             if node in _FIXED:
-                fmt, size = _FIXED[node]
-                self.align(size)
-                self.need(size)
-                (value,) = struct.unpack_from(self.order + fmt, self.data, self.position)
-                self.position += size
-                if node == "b":
-                    if value > 1:
-                        raise DBusWireError(f"boolean {value} is neither 0 nor 1")
-                    return bool(value)
-                return value
-            if node in "so":
-                self.align(4)
-                self.need(4)
-                (size,) = struct.unpack_from(self.order + "I", self.data, self.position)
-                self.position += 4
-                text = self.text(size)
-                if node == "o" and not valid_object_path(text):
-                    raise DBusWireError(f"{text!r} is not a D-Bus object path")
-                return text
+                return self.boolean() if node == "b" else self.number(node)
             if node == "g":
                 return self.signature()
-            # v
-            signature = self.signature()
-            types = parse_signature(signature)
-            if len(types) != 1:
-                raise DBusWireError(f"variant signature {signature!r} is not one complete type")
-            self.variants += 1
-            if depth + 1 > 2 * MAX_DEPTH:
-                raise DBusWireError("values nest deeper than 64")
-            value = self.read(types[0], depth + 1)
-            return Variant(signature, value)
-        kind = node[0]
+            if node == "v":
+                return self.variant(depth + 1)
+            return self.string(node)  # s, o
         if depth + 1 > 2 * MAX_DEPTH:
             raise DBusWireError("values nest deeper than 64")
-        if kind == "a":
-            element = node[1]
-            self.align(4)
-            self.need(4)
-            (size,) = struct.unpack_from(self.order + "I", self.data, self.position)
-            self.position += 4
-            if size > MAX_ARRAY:
-                raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
-            self.align(_alignment(element))
-            self.need(size)
-            stop = self.position + size
-            if element == "y":
-                value = bytes(self.data[self.position : stop])
-                self.position = stop
-                return value
-            is_dict = isinstance(element, tuple) and element[0] == "{"
-            items: list = []
-            while self.position < stop:
-                if is_dict:
-                    self.align(8)
-                    key = self.read(element[1], depth + 1)
-                    items.append((key, self.read(element[2], depth + 1)))
-                else:
-                    items.append(self.read(element, depth + 1))
-            if self.position != stop:
-                raise DBusWireError(f"array elements overrun its length of {size} bytes")
-            return dict(items) if is_dict else items
-        # struct
-        self.align(8)
+        if node[0] == "a":
+            return self.array(node[1], depth + 1)
+        self.align(8)  # a struct
         return tuple(self.read(field, depth + 1) for field in node[1])
+
+    def number(self, code: str) -> int | float:
+        """A value of a fixed-size type (``_FIXED``)."""
+        fmt, size = _FIXED[code]
+        self.align(size)
+        self.need(size)
+        value: int | float = struct.unpack_from(self.order + fmt, self.data, self.position)[0]
+        self.position += size
+        return value
+
+    def boolean(self) -> bool:
+        value = self.number("b")
+        if value > 1:
+            raise DBusWireError(f"boolean {value} is neither 0 nor 1")
+        return bool(value)
+
+    def uint32(self) -> int:
+        """A string's or an array's length."""
+        self.align(4)
+        self.need(4)
+        size: int = struct.unpack_from(self.order + "I", self.data, self.position)[0]
+        self.position += 4
+        return size
+
+    def string(self, code: str) -> str:  # s, o
+        text = self.text(self.uint32())
+        if code == "o" and not valid_object_path(text):
+            raise DBusWireError(f"{text!r} is not a D-Bus object path")
+        return text
+
+    def variant(self, depth: int) -> Variant:
+        """A ``v``: its signature, then its value at ``depth``."""
+        signature = self.signature()
+        types = parse_signature(signature)
+        if len(types) != 1:
+            raise DBusWireError(f"variant signature {signature!r} is not one complete type")
+        self.variants += 1
+        if depth > 2 * MAX_DEPTH:
+            raise DBusWireError("values nest deeper than 64")
+        return Variant(signature, self.read(types[0], depth))
+
+    def array(self, element: _Node, depth: int) -> bytes | list[object] | dict[object, object]:
+        """An array: its length, then its elements (at ``depth``); ``ay`` as bytes, an array of
+        dict entries as a dict."""
+        size = self.uint32()
+        if size > MAX_ARRAY:
+            raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
+        self.align(_alignment(element))
+        self.need(size)
+        stop = self.position + size
+        if element == "y":
+            data = bytes(self.data[self.position : stop])
+            self.position = stop
+            return data
+        items: list[object] | dict[object, object]
+        if isinstance(element, tuple) and element[0] == "{":
+            items = self.entries(element[1], element[2], stop, depth)
+        else:
+            items = self.elements(element, stop, depth)
+        if self.position != stop:
+            raise DBusWireError(f"array elements overrun its length of {size} bytes")
+        return items
+
+    def elements(self, element: _Node, stop: int, depth: int) -> list[object]:
+        items = []
+        while self.position < stop:
+            items.append(self.read(element, depth))
+        return items
+
+    def entries(self, key: _Node, value: _Node, stop: int, depth: int) -> dict[object, object]:
+        items = {}
+        while self.position < stop:
+            self.align(8)
+            entry = self.read(key, depth)
+            items[entry] = self.read(value, depth)
+        return items
 
     def header_fields(self) -> dict[int, object]:
         """The ``a(yv)`` of header fields, known codes by their specified types (a fast path:

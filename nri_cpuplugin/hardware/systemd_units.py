@@ -437,6 +437,8 @@ def _connect_error(path: str, error: OSError) -> SystemdError:
         what = f"{path} is not open to this user: {PERMISSION_HINT}"
     elif isinstance(error, ConnectionRefusedError):
         what = f"nothing listens on {path}"
+    elif isinstance(error, TimeoutError):
+        what = f"connecting to {path} took too long"
     else:
         what = f"{path}: {error}"
     return SystemdError(f"cannot reach systemd's D-Bus API: {what}", "unreachable")
