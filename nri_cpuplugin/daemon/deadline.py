@@ -84,6 +84,7 @@ BACKGROUND = {
     ev.RecheckEvictions: "hotplug",
     ev.SweepRound: "sweep",
     ev.CommitHeld: "drain",
+    ev.IrqRescan: "irq",
     ev.Disconnected: "disconnect",
 }
 
