@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fake_cgroup_v1 import FakeCgroupV1
+from model_stall import Stall
 from sysfs_gen import MachineSpec, write_sysfs
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -92,11 +93,14 @@ class Host:
     """FAKE process around the daemon: ``Daemon`` as ``nri-cpuplugin run`` builds it, its
     event loop, its timers held until ``fire_timers``, and kill -9."""
 
-    def __init__(self, settings: Settings, records: Records, units: Any, proc: str) -> None:
+    def __init__(
+        self, settings: Settings, records: Records, units: Any, proc: str, stall: Stall
+    ) -> None:
         self.settings = settings
         self.records = records
         self.units = units
         self.proc = proc
+        self.stall = stall  # the disk and the state lock, and the budgets' clock
         self.loop = asyncio.new_event_loop()
         self.timers: list[object] = []
         self.events = 0  # the adapter's subscription, once configured
@@ -108,6 +112,7 @@ class Host:
         daemon.stub = Subscription(daemon.adapter)
         daemon.node.later = self._later
         daemon.node.writer.proc = self.proc
+        self.stall.install(daemon.worker)
         return daemon
 
     def _later(self, delay: float, event: object) -> bool:
@@ -119,7 +124,9 @@ class Host:
 
     def call(self, method: str, *args: Any) -> tuple[Any, PolicyError | None]:
         """One request as the stub serves it: (the reply, None), or (None, the error the stub
-        answers with)."""
+        answers with).  What the worker has queued is done first, unless it is stuck
+        (tests/model_stall.py)."""
+        self.run(self.stall.settle(self.daemon.worker))
         try:
             return self.run(getattr(self.daemon.adapter, method)(*args)), None
         except PolicyError as err:
@@ -151,14 +158,10 @@ class Host:
         self.run(submit())
 
     def quiesce(self) -> None:
-        """Wait until every job queued so far has run (late work, background events)."""
-
-        async def settle() -> None:
-            worker = self.daemon.worker
-            job = worker.submit("settle", _nothing)
-            assert await worker.finished(job, 60), "the worker did not settle in 60 s"
-
-        self.run(settle())
+        """Wait until every job queued so far has run (late work, background events); not
+        while something stalls."""
+        assert not self.stall.what, "the worker cannot settle in a stall"
+        self.run(self.stall.settle(self.daemon.worker))
 
     def fire_timers(self) -> list[object]:
         """The timers that were set, due now (their events submitted, in order)."""
@@ -187,10 +190,6 @@ class Host:
     def close(self) -> None:
         self.kill()
         self.loop.close()
-
-
-def _nothing() -> None:
-    return None
 
 
 def _exit_thread() -> None:
@@ -242,7 +241,7 @@ class Machine:
         return hotplug.CPUEvent("online" if online else "offline", cpu, time.monotonic())
 
 
-# --- systemd ---------------------------------------------------------------------------------------
+# --- systemd --------------------------------------------------------------------------------------
 
 
 class FakeSystemd:
@@ -295,7 +294,7 @@ class FakeUnits:
         return failed
 
 
-# --- kubelet's pods --------------------------------------------------------------------------------
+# --- kubelet's pods -------------------------------------------------------------------------------
 
 
 class Ctr:
@@ -408,7 +407,7 @@ def cpus_of(cpu: pb.LinuxCPU) -> CPUSet | None:
     return CPUSet.parse(cpu.cpus) if cpu.cpus else None
 
 
-# --- containerd ------------------------------------------------------------------------------------
+# --- containerd -----------------------------------------------------------------------------------
 
 
 class Runtime:
@@ -697,6 +696,7 @@ class ModelNode:
         self.cgroups = self.machine.cgroups
         self.systemd = FakeSystemd(self.cgroups)
         self.records = Records() if records is None else records
+        self.stall = Stall()
         self.settings = Settings(
             sysfs=str(self.machine.sysfs),
             state_dir=str(Path(base) / "state"),
@@ -706,8 +706,8 @@ class ModelNode:
             nic_read_ahead=False,
             systemd_bus="off",
         )
-        self.host = Host(self.settings, self.records, FakeUnits(self.systemd) if units else None,
-                         str(self.machine.proc))  # fmt: skip
+        units_ = FakeUnits(self.systemd) if units else None
+        self.host = Host(self.settings, self.records, units_, str(self.machine.proc), self.stall)
         self.runtime = Runtime(self.host, self.machine, self.systemd)
         self.runtime.reconnect()
 
@@ -733,4 +733,6 @@ class ModelNode:
         return self.cgroups.cpus(ctr.path)
 
     def close(self) -> None:
+        self.stall.end()
         self.host.close()
+        self.stall.close()

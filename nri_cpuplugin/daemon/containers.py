@@ -332,7 +332,9 @@ def _update(node: Node, event: ev.UpdateContainer) -> Effects:
     changed = outcome.state is not before
     targets, unwritten = list(outcome.targets), False
     if changed:
-        targets, unwritten = _write_resized(node, cid, targets, StaticPolicy.cpuset_for(before, cid))
+        targets, unwritten = _write_resized(
+            node, cid, targets, StaticPolicy.cpuset_for(before, cid)
+        )
     carried = [cid, *(t.container_id for t in outcome.targets)]
     owed = node.routes.owed_targets(carried, node.engine, node.state)
     effects = reply_to_update(node, cid, targets, owed)

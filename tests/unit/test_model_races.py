@@ -34,8 +34,9 @@ After every step, once the late work has settled, the invariants hold:
 
 Size: ``NRI_MODEL_EXAMPLES`` schedules (default 30) of ``NRI_MODEL_STEPS`` steps (default 40);
 derandomized, no example database.  ``NRI_MODEL_EXAMPLES=500 ./dev unit -k model_races`` runs
-a longer search.  No sleeps: every wait is for a condition (the worker idle) or a request's
-budget, which only a stalled disk or lock makes run out.
+a longer search.  Deterministic: a request's budget runs out exactly when the worker is stuck
+on a stalled disk or lock, never by the clock (tests/model_stall.py), so each schedule runs
+the same way every time; every wait is for a condition.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections import Counter
 import tempfile
-import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -70,7 +70,6 @@ from model_runtime import (
 )
 from topologies import scratch_dir
 
-from nri_cpuplugin.base import files
 from nri_cpuplugin.core.allocator import AllocationError
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.state import NodeState
@@ -85,7 +84,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 EXAMPLES = int(os.environ.get("NRI_MODEL_EXAMPLES", "30"))
 STEPS = int(os.environ.get("NRI_MODEL_STEPS", "40"))
-BUDGET = 0.05  # each request's budget: what a stalled request costs in wall time
+BUDGET = 1.5  # each request's budget, as said in records: tests/model_stall.py runs it out
 MAX_PODS = 5
 STALLED_CALLS = 3  # requests made while the disk or the lock is stalled, at most
 HOTPLUG = (3, 5, 11)  # CPUs that may go offline (5 and 11: one core); at most two at once
@@ -142,34 +141,14 @@ def stats():
             print(f"  {count:6d}  {kind}")
 
 
-class SlowDisk:
-    """The state file's durable write blocks while the gate is shut (a slow disk)."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.gate.set()
-        self.write = files.write_atomic
-
-        def write_atomic(*args, **kwargs):
-            assert self.gate.wait(60), "the slow disk was never let go"
-            return self.write(*args, **kwargs)
-
-        files.write_atomic = write_atomic
-
-    def close(self) -> None:
-        self.gate.set()
-        files.write_atomic = self.write
-
-
 class NodeModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.base = Path(tempfile.mkdtemp(prefix="nri-model-", dir=scratch_dir()))
-        self.disk = SlowDisk()
+        self.node: ModelNode | None = None
         self.host: Host | None = None
         self.units = False
         self.stalled = ""  # "disk" or "lock" while requests miss their budget
-        self.lock = None
         self.records = Records()
         self.records.observers.append(self.observe)
         self.splits: list[str] = []  # invariant 6's violations, as the records were made
@@ -195,10 +174,8 @@ class NodeModel(RuleBasedStateMachine):
             self.new_pod(kind)
 
     def teardown(self) -> None:
-        self.recover_now()
-        if self.host is not None:
-            self.host.close()
-        self.disk.close()
+        if self.node is not None:
+            self.node.close()
         shutil.rmtree(self.base, ignore_errors=True)
 
     def say(self, line: str) -> None:
@@ -351,11 +328,7 @@ class NodeModel(RuleBasedStateMachine):
         happen, each request answered by its fallback within the budget; then it recovers and
         the late work settles before the invariants are checked."""
         self.stalled = what
-        if what == "disk":
-            self.disk.gate.clear()
-        else:  # as the OCI hook or the CLI would hold it (the lock is per inode, thread-safe)
-            self.lock = StateStore(self.host.settings.state_dir).locked(timeout=-1)
-            self.lock.__enter__()
+        self.node.stall.begin(what, self.host.settings.state_dir)
         self.say(f"the {what} stalls")
         try:
             for _ in range(data.draw(st.integers(1, STALLED_CALLS), label="stalled steps")):
@@ -391,11 +364,7 @@ class NodeModel(RuleBasedStateMachine):
             method(data)
 
     def recover_now(self) -> None:
-        if self.stalled == "disk":
-            self.disk.gate.set()
-        elif self.stalled == "lock" and self.lock is not None:
-            self.lock.__exit__(None, None, None)
-            self.lock = None
+        self.node.stall.end()
         self.stalled = ""
 
     # --- the invariants -----------------------------------------------------------------------
@@ -420,7 +389,8 @@ class NodeModel(RuleBasedStateMachine):
         problems += self.splits
         self.splits = []
         if problems and os.environ.get("NRI_MODEL_DEBUG"):
-            problems.append(f"pinned {node.pinned} returned {node.returned} online {node.policy.topology.online}")
+            online = node.policy.topology.online
+            problems.append(f"pinned {node.pinned} returned {node.returned} online {online}")
             problems += [f"{r['ACTION']}: {r['MESSAGE']}" for r in self.records[-40:]]
         return problems
 
@@ -454,12 +424,12 @@ class NodeModel(RuleBasedStateMachine):
     def owed_unwritable(self, ctr) -> bool:
         """Where invariants 1 and 2 cannot hold: a container the daemon cannot write (the
         systemd driver without systemd, or a scope systemd refuses to change) is moved only by
-        the runtime, with the next reply that can carry updates.  What changes outside replies - an earmark at RunPodSandbox,
-        CPU hotplug, the sweep, late work, the runtime applying an older answer of an
-        UpdateContainer after its call returned (docs/nri-wire.md §11.3) - leaves it where it
-        is until then.  What must hold: the daemon knows it, and owes it to that reply (a
-        reply that creates a container on those CPUs carries it, and the runtime applies it
-        before it creates the container)."""
+        the runtime, with the next reply that can carry updates.  What changes outside replies
+        - an earmark at RunPodSandbox, CPU hotplug, the sweep, late work, the runtime applying
+        an older answer of an UpdateContainer after its call returned (docs/nri-wire.md §11.3)
+        - leaves it where it is until then.  What must hold: the daemon knows it, and owes it
+        to that reply (a reply that creates a container on those CPUs carries it, and the
+        runtime applies it before it creates the container)."""
         node = self.host.daemon.node
         if ctr.id not in node.owed:
             return False

@@ -6,12 +6,14 @@ policy itself."""
 from __future__ import annotations
 
 import pytest
+from model_runtime import MACHINE, ModelNode, cpuset_request, resize_request
 from test_policy import wl
 from topologies import topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import StaticPolicy
 from nri_cpuplugin.core.state import Earmark
+from nri_cpuplugin.storage.store import StateStore
 
 P = CPUSet.parse
 
@@ -111,3 +113,214 @@ def test_deferred_init_containers_are_kept_in_the_state_file_and_checked():
     doc["checksum"] = state_mod.checksum(doc)
     with pytest.raises(state_mod.StateFormatError, match=r"\[id, name, millicores\]"):
         state_mod.decode(jsonbytes.dumps(doc))
+
+
+# --- the runtime's ordering, modelled (tests/model_runtime.py) ------------------------------------
+
+
+@pytest.fixture
+def model(tmp_path):
+    """``model(driver, units, pin_at) -> ModelNode``: the production daemon on the FAKE node of
+    the model-based test (tests/unit/test_model_races.py), 12 CPUs (a core's threads N and
+    N+6; 0 and 6 reserved), closed at the end."""
+    made: list[ModelNode] = []
+
+    def make(driver: str = "cgroupfs", units: bool = False, pin_at: str = "create") -> ModelNode:
+        made.append(ModelNode(tmp_path / f"node{len(made)}", driver, units, pin_at))
+        return made[-1]
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def on_exclusive(node: ModelNode, ctr) -> CPUSet:
+    """The CPUs of others' exclusive sets (assignments, earmarks) the container's cgroup is on."""
+    state = node.state
+    held = state.assignments.get(ctr.id)
+    return (node.on(ctr) or CPUSet()) & (state.exclusive - (held.cpus if held else CPUSet()))
+
+
+def held_anywhere(node: ModelNode, cid: str) -> bool:
+    """Whether CPUs are assigned to the container, in memory or in the state file."""
+    disk = StateStore(node.settings.state_dir).peek().state
+    return cid in node.state.assignments or (disk is not None and cid in disk.assignments)
+
+
+def test_an_update_applied_after_an_earmark_is_set_right_at_post_update(model):
+    """Finding 1: UpdateContainer of a shared container is answered with the pool; another
+    pod's RunPodSandbox earmarks CPUs of it (the container is written off them at once); then
+    the runtime applies the update's own entry - the older pool - outside its NRI lock.  Its
+    PostUpdateContainer puts the container back off the earmark."""
+    node = model()
+    runtime = node.runtime
+    web = node.pod("web", "burstable").add("nginx", 500)
+    node.up(web)
+    [nginx] = web.containers
+    runtime.update(nginx, cpuset_request(MACHINE.online))
+    db = node.pod("db").add("pg", 2000, 2000)
+    runtime.run_pod(db)
+    node.host.quiesce()
+    assert not on_exclusive(node, nginx)
+    runtime.apply_own(nginx)
+    node.host.quiesce()
+    assert not on_exclusive(node, nginx), f"nginx runs on {node.on(nginx)}"
+    [moved] = [r for r in node.records.of("share") if r["REASON"] == "older answer applied"]
+    assert moved["MOVED"] == "yes" and CPUSet.parse(moved["CPUS"]) == node.on(nginx)
+
+
+def create_then_earmark(node: ModelNode):
+    """A shared container is created (answered with the pool of then); another pod's
+    RunPodSandbox earmarks CPUs of that pool before the container has a cgroup to write."""
+    web = node.pod("web", "burstable").add("nginx", 500)
+    [nginx] = web.containers
+    node.runtime.run_pod(web)
+    node.runtime.create(nginx)
+    db = node.pod("db").add("pg", 2000, 2000)
+    node.runtime.run_pod(db)
+    node.host.quiesce()
+    assert CPUSet.parse(nginx.cpu().cpus) & node.state.earmarks[db.uid].cpus
+    return nginx
+
+
+def test_a_shared_container_created_from_a_moved_pool_is_moved_before_it_starts(model):
+    """Finding 2, where the daemon can write the cgroup: moved at its StartContainer, said so."""
+    node = model()
+    nginx = create_then_earmark(node)
+    assert "refused" not in node.runtime.start(nginx)
+    node.host.quiesce()
+    assert not on_exclusive(node, nginx)
+    [moved] = [r for r in node.records.of("share") if r.get("MOVED")]
+    assert (moved["MOVED"], moved["REASON"]) == ("yes", "pool moved during creation")
+    assert CPUSet.parse(moved["CPUS"]) == node.on(nginx)
+
+
+@pytest.mark.parametrize(
+    "driver, why",
+    [
+        ("systemd", "no connection to systemd"),  # the systemd driver, systemd out of reach
+        ("cgroupfs", "whose write failed"),  # a cgroup the kernel refuses to change
+    ],
+)
+def test_a_shared_container_created_from_a_moved_pool_that_cannot_be_moved_is_refused(
+    model, driver, why
+):
+    """Finding 2, where the container cannot be moved: its StartContainer is refused (kubelet
+    retries it) rather than started on CPUs earmarked for another pod; the refusal is audited
+    and says why it could not be moved."""
+    node = model(driver)
+    nginx = create_then_earmark(node)
+    broken = driver == "cgroupfs"
+    made = (lambda ctr: node.cgroups.break_writes(ctr.path)) if broken else None
+    assert "refused" in node.runtime.start(nginx, made)
+    node.host.quiesce()
+    assert nginx.phase == "exited" and not held_anywhere(node, nginx.id)
+    [refusal] = [r for r in node.records.of("refuse") if r["CONTAINER_ID"] == nginx.id]
+    assert why in refusal["MESSAGE"] and refusal["CODE"] == "cgroup-write"
+    assert not [r for r in node.records.of("share") if r.get("MOVED")]
+
+
+def test_pinning_at_start_a_start_refused_for_a_slow_disk_keeps_nothing(model):
+    """Finding 3a: pinning at start, the state file's disk stalls while the StartContainer of
+    an exclusive container is decided: the runtime is answered with an error within the
+    budget, and once the disk is back the CPUs are not assigned (in memory, on disk)."""
+    node = model(pin_at="start")
+    db = node.pod("db").add("pg", 2000, 2000)
+    [pg] = db.containers
+    node.runtime.run_pod(db)
+    node.runtime.create(pg)
+    node.stall.begin("disk", node.settings.state_dir)
+    line = node.runtime.start(pg)
+    node.stall.end()
+    node.host.quiesce()
+    assert "refused" in line and "not started now" in line
+    assert not held_anywhere(node, pg.id)
+    assert node.state.shared == MACHINE.online - node.state.exclusive
+
+
+def test_pinning_at_start_a_start_whose_cgroup_write_fails_keeps_nothing(model):
+    """Finding 3b: pinning at start, the container's own cgroup write fails after its decision
+    was committed: the start is refused and the CPUs released again, in memory and on disk,
+    the audit showing the release."""
+    node = model(pin_at="start")
+    db = node.pod("db").add("pg", 2000, 2000)
+    [pg] = db.containers
+    node.runtime.run_pod(db)
+    node.runtime.create(pg)
+    line = node.runtime.start(pg, lambda ctr: node.cgroups.break_writes(ctr.path))
+    node.host.quiesce()
+    assert "refused" in line and "could not be written" in line
+    assert not held_anywhere(node, pg.id)
+    mine = [r["ACTION"] for r in node.records if r.get("CONTAINER_ID") == pg.id]
+    assert mine[mine.index("allocate") :].count("release") == 1
+
+
+# --- found by the model-based test ----------------------------------------------------------------
+
+
+def test_a_container_owed_stays_owed_across_its_own_update(model):
+    """The systemd driver, systemd out of reach: another pod's earmark leaves a shared
+    container on the earmarked CPUs, owed to the runtime's next reply.  An UpdateContainer of
+    that container carries its own entry, which the runtime applies only after the call (late):
+    it stays owed, and the earmarked pod's CreateContainer moves it before that pod's container
+    is created on those CPUs."""
+    node = model("systemd")
+    runtime = node.runtime
+    web = node.pod("web", "burstable").add("nginx", 500)
+    node.up(web)
+    [nginx] = web.containers
+    db = node.pod("db").add("pg", 2000, 2000)
+    [pg] = db.containers
+    runtime.run_pod(db)
+    node.host.quiesce()
+    assert on_exclusive(node, nginx) and nginx.id in node.host.daemon.node.owed
+    runtime.update(nginx, cpuset_request(MACHINE.online))
+    assert nginx.pending is not None  # its own entry: applied later
+    runtime.create(pg)
+    runtime.start(pg)
+    node.host.quiesce()
+    assert not node.on(nginx) & node.on(pg), f"nginx on {node.on(nginx)}, pg on {node.on(pg)}"
+
+
+@pytest.mark.parametrize("driver", ["cgroupfs", "systemd"])
+def test_a_resize_moves_the_container_before_its_answer(model, driver):
+    """A fractional Guaranteed container resized to one whole CPU: the update's own entry is
+    applied by the runtime only after the call has returned (docs/nri-wire.md §11.3).  Meanwhile
+    another pod is earmarked and its container created on CPUs of the pool the resized one
+    still ran on: the resize wrote it before its answer (cgroupfs), or - where it cannot be
+    written (the systemd driver, systemd out of reach) - owed it to the next reply, which the
+    runtime applies before it creates that container."""
+    node = model(driver)
+    runtime = node.runtime
+    web = node.pod("web").add("main", 1500, 1500)
+    node.up(web)
+    [main] = web.containers
+    assert "refused" not in runtime.update(main, resize_request(1000, 1000))
+    assert main.pending is not None
+    db = node.pod("db").add("pg", 2000, 2000)
+    node.up(db)
+    [pg] = db.containers
+    assert main.id in node.state.assignments and pg.phase == "running"
+    assert not on_exclusive(node, main), f"main on {node.on(main)}, pg on {node.on(pg)}"
+
+
+def test_a_resize_answered_with_an_error_after_its_writes_is_written_back(model):
+    """The state file's disk stalls while an exclusive container is resized down: the runtime
+    is answered with an error (its CPUs unchanged, kubelet retries), and the resize, done once
+    the disk is back, is taken back - the shared containers it had written onto the CPU it
+    gave up are written off it again."""
+    node = model()
+    runtime = node.runtime
+    web = node.pod("web", "burstable").add("nginx", 500)
+    db = node.pod("db").add("pg", 2000, 2000)
+    node.up(web)
+    node.up(db)
+    [nginx], [pg] = web.containers, db.containers
+    held = node.state.assignments[pg.id].cpus
+    node.stall.begin("disk", node.settings.state_dir)
+    line = runtime.update(pg, resize_request(1000, 1000))
+    node.stall.end()
+    node.host.quiesce()
+    assert "refused" in line
+    assert node.state.assignments[pg.id].cpus == held
+    assert not on_exclusive(node, nginx), f"nginx on {node.on(nginx)}, pg holds {held}"

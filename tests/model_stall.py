@@ -1,0 +1,134 @@
+"""Stalls and the clock of request budgets, for tests/unit/test_model_races.py: deterministic
+where wall-clock budgets are not.
+
+In production a request's budget (daemon/deadline.py) runs out after a fixed time.  On a loaded
+test machine a fixed time decides differently from run to run - a request that takes 60 ms
+misses a 50 ms budget once in a while - and hypothesis needs every schedule to run the same
+way each time it is replayed (else it stops with FlakyStrategyDefinition, and a failure found
+cannot be shrunk).  So here time passes only while something stalls:
+
+* outside a stall, no budget runs out (nothing the model does takes long);
+* in a stall - the state file's disk (its durable write blocks), or the state lock held by
+  another process (as the OCI hook or the CLI would hold it) - a request's budget runs out
+  exactly when the worker is stuck on it (its job, or one ahead of it, waits for the disk or
+  the lock), and not before.  In production the budget runs out at some moment while the
+  worker is stuck; nothing else runs on the worker meanwhile, so which moment does not matter.
+
+The same holds for the one decision the event loop makes by the worker's state: a creation
+is answered from its pod's earmark only when the worker is idle.  Before each request the
+worker is let finish what it has (``settle``) unless it is stuck.
+
+Waits are for conditions, checked every ``TICK`` (nothing waits out a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nri_cpuplugin.base import files
+from nri_cpuplugin.daemon.progress import STATE_LOCK
+from nri_cpuplugin.daemon.worker import Job, Worker
+from nri_cpuplugin.storage.store import StateStore
+
+TICK = 0.0005  # how often a condition is looked at
+PATIENCE = 60.0  # a condition not met by then is a hang: the test fails
+
+
+class Stall:
+    """The disk or the state lock stalling, and the budgets' clock (see the module text).
+    Patches ``files.write_atomic`` (the state file's durable write) until ``close``."""
+
+    def __init__(self) -> None:
+        self.what = ""  # "disk" or "lock" while stalled
+        self._gate = threading.Event()  # shut while the disk stalls
+        self._gate.set()
+        self._at_gate = threading.Event()  # a thread waits at the shut gate
+        self._lock: Any = None
+        self._write = files.write_atomic
+
+        def write_atomic(*args: Any, **kwargs: Any) -> Any:
+            if not self._gate.is_set():
+                self._at_gate.set()
+                assert self._gate.wait(PATIENCE), "the slow disk was never let go"
+            return self._write(*args, **kwargs)
+
+        files.write_atomic = write_atomic
+
+    # --- the stall ----------------------------------------------------------------------------
+
+    def begin(self, what: str, state_dir: str) -> None:
+        """The disk stalls ("disk"), or another process takes the state lock ("lock")."""
+        assert not self.what
+        self.what = what
+        if what == "disk":
+            self._gate.clear()
+        else:  # the lock is per open file: this thread's holds off the daemon's worker
+            self._lock = StateStore(state_dir).locked(timeout=-1)
+            self._lock.__enter__()
+
+    def end(self) -> None:
+        """The disk recovers, the lock is let go; what waited for them goes on."""
+        if self.what == "disk":
+            self._gate.set()
+            self._at_gate.clear()
+        elif self.what == "lock" and self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+        self.what = ""
+
+    def close(self) -> None:
+        self.end()
+        files.write_atomic = self._write
+
+    def stuck(self, worker: Worker) -> bool:
+        """Whether the worker waits for what stalls (nothing it has queued runs until the
+        stall ends)."""
+        if self.what == "disk":
+            return self._at_gate.is_set()
+        if self.what == "lock":
+            job = worker.current  # (its phase is the lock's until it holds the lock)
+            return job is not None and job.phase == STATE_LOCK
+        return False
+
+    # --- the clock ----------------------------------------------------------------------------
+
+    def install(self, worker: Worker) -> None:
+        """Make the worker's budgets run out by this clock: ``Worker.finished`` waits without
+        a limit outside a stall, and in one until the job ends or the worker is stuck."""
+        finished = worker.finished
+
+        async def by_this_clock(job: Job, budget: float | None) -> bool:
+            if budget is not None and self.what:
+                await until(lambda: _ended(job) or self.stuck(worker))
+                if not _ended(job):
+                    return False  # the budget ran out: the worker is stuck
+            return await finished(job, None)
+
+        worker.finished = by_this_clock  # type: ignore[method-assign]
+
+    async def settle(self, worker: Worker) -> None:
+        """Let the worker finish everything queued so far, unless it is stuck: its jobs' late
+        parts, the work after answers, the daemon's own events."""
+        job = worker.submit("settle", _nothing)  # (queues the answered jobs before it, too)
+        await until(lambda: (_ended(job) and worker.idle()) or self.stuck(worker))
+
+
+def _ended(job: Job) -> bool:
+    """The job has ended, or delivered its result (``done`` is held until then)."""
+    return not job.done.locked()
+
+
+def _nothing() -> None:
+    return None
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait on the event loop (its callbacks run meanwhile) until ``condition()`` holds."""
+    give_up = time.monotonic() + PATIENCE
+    while not condition():
+        assert time.monotonic() < give_up, "the daemon's worker did not settle"
+        await asyncio.sleep(TICK)
