@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -104,6 +105,7 @@ class Host:
         self.loop = asyncio.new_event_loop()
         self.timers: list[object] = []
         self.events = 0  # the adapter's subscription, once configured
+        self._over = threading.Event()  # what killed daemons' worker threads wait for
         self.daemon = self._make()
 
     def _make(self) -> Daemon:
@@ -171,12 +173,13 @@ class Host:
         return events
 
     def kill(self) -> None:
-        """kill -9: the worker thread ends, kept files close, the claim goes (as the kernel
-        would do all three); nothing is drained."""
+        """kill -9: the worker thread runs nothing more (it waits for what never comes until
+        the test ends), kept files close, the claim goes (as the kernel would do all three);
+        nothing is drained."""
         daemon = self.daemon
 
         async def stop() -> None:
-            daemon.worker.submit("exit", _exit_thread, awaited=False)
+            daemon.worker.submit("exit", self._over.wait, awaited=False)
 
         self.run(stop())
         daemon.node.writer.keep_only(set())
@@ -190,10 +193,7 @@ class Host:
     def close(self) -> None:
         self.kill()
         self.loop.close()
-
-
-def _exit_thread() -> None:
-    raise SystemExit  # ends the worker thread (the Worker catches Exception only)
+        self._over.set()  # the killed daemons' worker threads idle from here on
 
 
 # --- the machine ---------------------------------------------------------------------------------

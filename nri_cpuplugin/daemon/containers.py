@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from ..core.cpuset import CPUSet
 from ..core.engine import Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy, describe
+from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware import nic
 from ..ops import audit as audit_mod
@@ -298,26 +299,29 @@ def update(node: Node, event: ev.UpdateContainer, deliver: Deliver = keep) -> Ef
     request resizes the container (core/resize.py); anything else keeps our cpuset in
     force.  A growth that cannot be met fails the update: kubelet reports the resize as
     failed and retries.  The runtime applies the entry for the container being updated
-    last, in place of the CRI request, after the call has returned (nri-wire §11.3): a
-    container owed stays owed to the next reply, which the runtime applies at once - before
-    it creates a container on the CPUs this one must leave."""
-    workload = event.workload
-    cid = workload.container_id
-    owed_before = cid in node.owed
+    last, in place of the CRI request, after the call has returned (nri-wire §11.3)."""
+    cid = event.workload.container_id
+    # A container owed stays owed: this reply's entry for it is applied only after the call,
+    # so the next reply - one that creates a container on the CPUs it must leave, say, which
+    # the runtime applies before it creates that container - must still carry it.
+    owed = cid in node.owed
     try:
-        return _update(node, event)
+        if event.resize:
+            return _resize(node, event)
+        targets = node.engine.update(node.state, cid).targets
+        return reply_to_update(
+            node, cid, targets, node.routes.owed_targets([cid], node.engine, node.state)
+        )
     finally:
-        if owed_before:
+        if owed:
             node.owed.add([cid])
 
 
-def _update(node: Node, event: ev.UpdateContainer) -> Effects:
+def _resize(node: Node, event: ev.UpdateContainer) -> Effects:
+    """Decide and commit the resize, write what it changed, answer; ``Restore`` takes it back
+    if the request turns out answered with an error."""
     workload = event.workload
     cid = workload.container_id
-    if not event.resize:
-        targets = node.engine.update(node.state, cid).targets
-        owed = node.routes.owed_targets([cid], node.engine, node.state)
-        return reply_to_update(node, cid, targets, owed)
     before = node.state
     try:
         with node.file.locked():
@@ -332,9 +336,7 @@ def _update(node: Node, event: ev.UpdateContainer) -> Effects:
     changed = outcome.state is not before
     targets, unwritten = list(outcome.targets), False
     if changed:
-        targets, unwritten = _write_resized(
-            node, cid, targets, StaticPolicy.cpuset_for(before, cid)
-        )
+        targets, unwritten = _write_resized(node, cid, targets, before)
     carried = [cid, *(t.container_id for t in outcome.targets)]
     owed = node.routes.owed_targets(carried, node.engine, node.state)
     effects = reply_to_update(node, cid, targets, owed)
@@ -344,12 +346,12 @@ def _update(node: Node, event: ev.UpdateContainer) -> Effects:
 
 
 def _write_resized(
-    node: Node, cid: str, targets: list[Target], before: CPUSet
+    node: Node, cid: str, targets: list[Target], before: NodeState
 ) -> tuple[list[Target], bool]:
     """A resize moves what it changed before its answer, as a creation does: the shared
     containers first, then the container itself.  The runtime applies the answer's own entry
     only after the call has returned, outside the lock that orders the other events
-    (docs/nri-wire.md §11.3): a container left on its old cpuset (``before``) until then would
+    (docs/nri-wire.md §11.3): a container left on its old cpuset (in ``before``) until then would
     run on CPUs that a decision made meanwhile (another pod's earmark, an exclusive creation)
     hands out as no longer its own.  An exclusive container that grows onto CPUs of shared
     containers the runtime must move waits for them (CPUs are taken away before they are
@@ -362,7 +364,8 @@ def _write_resized(
     if not own:
         return unwritten, False
     target = own[0]
-    waits = target.exclusive and bool(unwritten) and not target.cpus <= before
+    grows = not target.cpus <= StaticPolicy.cpuset_for(before, cid)
+    waits = target.exclusive and bool(unwritten) and grows
     return own + unwritten, waits or bool(node.routes.write(own, node.state))
 
 

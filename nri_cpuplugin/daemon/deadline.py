@@ -127,13 +127,15 @@ class Deadline:
         name = REQUESTS[type(event)]
         node = self.node
         if isinstance(event, ev.StartContainer):
+            # Whether it decides its container, said now: by the time the budget runs out the
+            # node may hold that decision already (a slow disk), and the answer is still one.
             event = event.evolve(decides=node.query_decides_at_start(event.workload.container_id))
         job = self.worker.submit(
             name,
             self._handle,
             event,
             late=lambda job: finish_late(node, job),
-            refusable=_refusable(node, event),
+            refusable=_refusable(event),
         )
         budget = self.budget
         if await self.worker.finished(job, budget):
@@ -226,16 +228,14 @@ class Deadline:
         return DECIDING, "deciding"
 
 
-def _refusable(node: Node, event: Any) -> bool:
+def _refusable(event: Any) -> bool:
     """Whether an error answer (the stub's guard's, when it comes first) means the runtime's
     operation did not happen, so that the event must not go on deciding: a creation, an
     update (a resize), a start that decides its container.  Any other event happened all the
     same - a stop, a removal - and is done late, whatever the runtime was answered."""
     if isinstance(event, (ev.CreateContainer, ev.UpdateContainer)):
         return True
-    return isinstance(event, ev.StartContainer) and node.query_decides_at_start(
-        event.workload.container_id
-    )
+    return isinstance(event, ev.StartContainer) and event.decides
 
 
 # --- what a request is answered with when its event is not handled in time ------------------------
@@ -251,9 +251,7 @@ def _start(node: Node, event: ev.StartContainer) -> tuple[str, Effects]:
     # Deciding (pin at start): an exclusive candidate is refused - also when the node holds
     # its decision already, not yet durable or written (a slow disk); a shared one starts on
     # its pod's CPUs, and the event writes the shared pool when it ends.
-    cid = event.workload.container_id
-    decides = event.decides or node.query_decides_at_start(cid)
-    if decides and node.query_eligible(event.workload):
+    if event.decides and node.query_eligible(event.workload):
         return ERROR, NO_EFFECTS
     return FALLBACK, NO_EFFECTS
 

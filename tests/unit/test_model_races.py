@@ -76,12 +76,6 @@ from nri_cpuplugin.core.state import NodeState
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.storage.store import StateStore
 
-# A killed daemon's worker thread ends by SystemExit (model_runtime.Host.kill): not a failure.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(?s)Exception in thread nri-cpuplugin-worker.*_exit_thread"
-    ":pytest.PytestUnhandledThreadExceptionWarning"
-)
-
 EXAMPLES = int(os.environ.get("NRI_MODEL_EXAMPLES", "30"))
 STEPS = int(os.environ.get("NRI_MODEL_STEPS", "40"))
 BUDGET = 1.5  # each request's budget, as said in records: tests/model_stall.py runs it out
@@ -487,7 +481,7 @@ class NodeModel(RuleBasedStateMachine):
         node = host.daemon.node
         now, before = node.state, self.seen_state
         if before is not None and now is not before:
-            self.splits += earmark_splits(node.policy, before, now)
+            self.splits += earmark_splits(node.policy, before, now, node.pinned)
         self.seen_state = now
 
     def moved(self, record: dict) -> None:
@@ -530,10 +524,12 @@ def broken_cores(topology, cpus: CPUSet, source: CPUSet) -> int:
     return len(cores)
 
 
-def earmark_splits(policy, before: NodeState | None, after: NodeState) -> list[str]:
+def earmark_splits(policy, before: NodeState | None, after: NodeState, pinned: CPUSet) -> list[str]:
     """Invariant 6: each earmark made or trimmed in this step splits no more of the whole
     cores it was chosen from than a whole-core choice of as many CPUs from the same CPUs (the
-    free ones when it was made, the earmark it was trimmed from)."""
+    free ones when it was made - less ``pinned``, the CPUs running containers look pinned to
+    although the state does not hold them, which the daemon never hands out - or the earmark
+    it was trimmed from)."""
     if before is None or before.fingerprint != after.fingerprint:
         return []  # (the online CPUs changed in this step: chosen from what, then?)
     problems = []
@@ -543,7 +539,7 @@ def earmark_splits(policy, before: NodeState | None, after: NodeState) -> list[s
             continue
         # What it was chosen from: the CPUs free before the step (the earmark it was trimmed
         # from), less what others hold now (several earmarks may be made in one step).
-        source = policy.free_exclusive(before) if old is None else old.cpus
+        source = policy.free_exclusive(before) - pinned if old is None else old.cpus
         source = source - (after.exclusive - mark.cpus)
         if not mark.cpus <= source:
             continue  # the CPUs changed under it (hotplug), or several steps in one
