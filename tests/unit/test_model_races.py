@@ -46,6 +46,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,7 @@ from hypothesis.stateful import (
 )
 from model_runtime import (
     MACHINE,
+    Ctr,
     Host,
     ModelNode,
     Pod,
@@ -73,6 +75,7 @@ from topologies import scratch_dir
 from nri_cpuplugin.core.allocator import AllocationError
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.state import NodeState
+from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.storage.store import StateStore
 
@@ -127,7 +130,7 @@ def _kind_of(line: str) -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def stats():
+def stats() -> Iterator[None]:
     yield
     if os.environ.get("NRI_MODEL_STATS"):
         print("\nmodel steps:", sum(STATS.values()))
@@ -415,7 +418,7 @@ class NodeModel(RuleBasedStateMachine):
                 )
         return problems
 
-    def owed_unwritable(self, ctr) -> bool:
+    def owed_unwritable(self, ctr: Ctr) -> bool:
         """Where invariants 1 and 2 cannot hold: a container the daemon cannot write (the
         systemd driver without systemd, or a scope systemd refuses to change) is moved only by
         the runtime, with the next reply that can carry updates.  What changes outside replies
@@ -511,7 +514,7 @@ def exclusive_overlaps(state: NodeState) -> list[str]:
     return problems
 
 
-def broken_cores(topology, cpus: CPUSet, source: CPUSet) -> int:
+def broken_cores(topology: Topology, cpus: CPUSet, source: CPUSet) -> int:
     """How many cores wholly within ``source`` ``cpus`` take part of only."""
     cores = set()
     for cpu in cpus:

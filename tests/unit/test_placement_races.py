@@ -5,8 +5,11 @@ policy itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
-from model_runtime import MACHINE, ModelNode, cpuset_request, resize_request
+from model_runtime import MACHINE, Ctr, ModelNode, cpuset_request, resize_request
 from test_policy import wl
 from topologies import topology
 
@@ -119,7 +122,7 @@ def test_deferred_init_containers_are_kept_in_the_state_file_and_checked():
 
 
 @pytest.fixture
-def model(tmp_path):
+def model(tmp_path: Path) -> Iterator[Callable[..., ModelNode]]:
     """``model(driver, units, pin_at) -> ModelNode``: the production daemon on the FAKE node of
     the model-based test (tests/unit/test_model_races.py), 12 CPUs (a core's threads N and
     N+6; 0 and 6 reserved), closed at the end."""
@@ -134,7 +137,7 @@ def model(tmp_path):
         node.close()
 
 
-def on_exclusive(node: ModelNode, ctr) -> CPUSet:
+def on_exclusive(node: ModelNode, ctr: Ctr) -> CPUSet:
     """The CPUs of others' exclusive sets (assignments, earmarks) the container's cgroup is on."""
     state = node.state
     held = state.assignments.get(ctr.id)
@@ -169,7 +172,7 @@ def test_an_update_applied_after_an_earmark_is_set_right_at_post_update(model):
     assert moved["MOVED"] == "yes" and CPUSet.parse(moved["CPUS"]) == node.on(nginx)
 
 
-def create_then_earmark(node: ModelNode):
+def create_then_earmark(node: ModelNode) -> Ctr:
     """A shared container is created (answered with the pool of then); another pod's
     RunPodSandbox earmarks CPUs of that pool before the container has a cgroup to write."""
     web = node.pod("web", "burstable").add("nginx", 500)
