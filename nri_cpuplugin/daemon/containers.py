@@ -171,9 +171,9 @@ def start(node: Node, event: ev.StartContainer, deliver: Deliver = keep) -> Effe
         _set_right_at_start(node, event)
     except BaseException:
         # Refused (or answered with an error meanwhile): the container does not start, so
-        # what was just decided for it goes again - now, not at kubelet's retry.
-        if undo is not None:
-            upkeep.release(node, undo)
+        # what it holds goes again - now, not at kubelet's retry - whether just decided or
+        # decided at its creation.
+        upkeep.release(node, undo or ev.Release(cid, "start refused"))
         raise
     return Effects(undo=undo)
 
@@ -236,11 +236,12 @@ def _set_right(
             **fields,
         )
         return
-    taken = on & node.state.exclusive
+    held = node.state.assignments.get(cid)
+    taken = on & (node.state.exclusive - (held.cpus if held is not None else CPUSet()))
     if taken and refuse:
         err = PolicyError(
             f"{describe(workload)} was created with CPUs {on}, of which {taken} are exclusive "
-            f"now, and it could not be moved to the shared pool {target.cpus} "
+            f"to others now, and it could not be moved to {target.cpus} "
             f"({node.writer.why_not(node.state.cgroups.get(cid, ''))}): it is not started "
             "now, and kubelet retries it",
             "cgroup-write",
@@ -252,7 +253,7 @@ def _set_right(
         "share",
         f"{name} is on CPUs {on or 'unknown'} ({why}) and could not be moved to {target.cpus}: "
         f"owed to the runtime's next reply"
-        + (f"; until then it runs on exclusive CPUs {taken}" if taken else ""),
+        + (f"; until then it runs on others' exclusive CPUs {taken}" if taken else ""),
         audit_mod.WARNING if taken else audit_mod.INFO,
         moved="owed",
         **fields,

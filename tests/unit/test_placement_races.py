@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from model_runtime import MACHINE, Ctr, ModelNode, cpuset_request, resize_request
+from model_runtime import MACHINE, Ctr, ModelNode, cpu_event, cpuset_request, resize_request
 from test_policy import wl
 from topologies import topology
 
@@ -327,3 +327,50 @@ def test_a_resize_answered_with_an_error_after_its_writes_is_written_back(model)
     assert "refused" in line
     assert node.state.assignments[pg.id].cpus == held
     assert not on_exclusive(node, nginx), f"nginx on {node.on(nginx)}, pg holds {held}"
+
+
+def offline_its_cpu(node: ModelNode, ctr: Ctr) -> None:
+    """CPU hotplug takes the container's exclusive CPU away (the daemon gives it another)."""
+    node.host.quiesce()
+    [cpu] = node.state.assignments[ctr.id].cpus
+    node.host.submit(cpu_event(node.machine, cpu, online=False))
+    node.host.quiesce()
+    assert cpu not in node.state.assignments[ctr.id].cpus
+
+
+def test_an_exclusive_container_created_before_its_cpu_went_offline_starts(model):
+    """The systemd driver, systemd out of reach: an exclusive container is created on a CPU
+    that goes offline before it starts (the daemon gives it another; the runtime's cgroup for
+    it falls back to its pod's CPUs).  Its own new CPU is not another's: it starts, and is
+    owed to the runtime's next reply - not refused for running on "exclusive" CPUs."""
+    node = model("systemd")
+    other = node.pod("other").add("main", 1000, 1000)
+    db = node.pod("db").add("pg", 1000, 1000)
+    [pg] = db.containers
+    node.runtime.run_pod(db)
+    node.runtime.create(pg)
+    offline_its_cpu(node, pg)
+    line = node.runtime.start(pg)
+    node.host.quiesce()
+    assert "refused" not in line and pg.id in node.host.daemon.node.owed
+    assert not on_exclusive(node, pg)
+    node.up(other)  # the next reply that can carry updates moves it
+    assert node.on(pg) == node.state.assignments[pg.id].cpus
+
+
+def test_a_refused_start_of_an_exclusive_container_keeps_nothing(model):
+    """As above, but the pod's CPUs the runtime's cgroup falls back to hold another pod's
+    exclusive CPU: the start is refused (kubelet retries the container), and the CPUs its
+    creation was given are released with the refusal, not left until kubelet's retry."""
+    node = model("systemd")
+    other = node.pod("other").add("main", 1000, 1000)
+    node.up(other)
+    db = node.pod("db").add("pg", 1000, 1000)
+    [pg] = db.containers
+    node.runtime.run_pod(db)
+    node.runtime.create(pg)
+    offline_its_cpu(node, pg)
+    line = node.runtime.start(pg)
+    node.host.quiesce()
+    assert "refused" in line and "exclusive to others" in line
+    assert not held_anywhere(node, pg.id)
