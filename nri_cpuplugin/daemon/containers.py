@@ -171,9 +171,13 @@ def start(node: Node, event: ev.StartContainer, deliver: Deliver = keep) -> Effe
         _set_right_at_start(node, event)
     except BaseException:
         # Refused (or answered with an error meanwhile): the container does not start, so
-        # what it holds goes again - now, not at kubelet's retry - whether just decided or
-        # decided at its creation.
-        upkeep.release(node, undo or ev.Release(cid, "start refused"))
+        # the CPUs it holds go again - now, not at kubelet's retry - whether just decided or
+        # decided at its creation.  (A shared one keeps its record: if the refusal came after
+        # the request's budget, the runtime started it on its fallback, and it stays owed.)
+        if undo is None and cid in node.state.assignments:
+            undo = ev.Release(cid, "start refused")
+        if undo is not None:
+            upkeep.release(node, undo)
         raise
     return Effects(undo=undo)
 

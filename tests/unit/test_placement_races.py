@@ -374,3 +374,26 @@ def test_a_refused_start_of_an_exclusive_container_keeps_nothing(model):
     node.host.quiesce()
     assert "refused" in line and "exclusive to others" in line
     assert not held_anywhere(node, pg.id)
+
+
+def test_a_start_answered_by_its_fallback_is_owed_not_refused_late(model):
+    """The systemd driver, systemd out of reach, and the state file's disk stalls behind
+    another pod's earmark: a shared container's CreateContainer and StartContainer are
+    answered by their fallbacks (the pool of then, an empty reply: the runtime starts it on
+    CPUs the earmark takes).  Its StartContainer, done late, cannot refuse what has started:
+    the container is owed, and the earmarked pod's CreateContainer moves it."""
+    node = model("systemd")
+    runtime = node.runtime
+    db = node.pod("db").add("pg", 2000, 2000)
+    web = node.pod("web", "burstable").add("nginx", 500)
+    [pg], [nginx] = db.containers, web.containers
+    node.stall.begin("disk", node.settings.state_dir)
+    runtime.run_pod(db)
+    runtime.run_pod(web)
+    runtime.create(nginx)
+    assert "refused" not in runtime.start(nginx)
+    node.stall.end()
+    node.host.quiesce()
+    assert on_exclusive(node, nginx) and nginx.id in node.host.daemon.node.owed
+    node.up(db)
+    assert not node.on(nginx) & node.on(pg), f"nginx on {node.on(nginx)}, pg on {node.on(pg)}"
