@@ -32,7 +32,7 @@ After every step, once the late work has settled, the invariants hold:
 6. an earmark never splits a physical core that a whole-core choice from the same CPUs would
    keep whole.
 
-Size: ``NRI_MODEL_EXAMPLES`` schedules (default 30) of ``NRI_MODEL_STEPS`` steps (default 40);
+Size: ``NRI_MODEL_EXAMPLES`` schedules (default 50) of ``NRI_MODEL_STEPS`` steps (default 40);
 derandomized, no example database.  ``NRI_MODEL_EXAMPLES=500 ./dev unit -k model_races`` runs
 a longer search.  Deterministic: a request's budget runs out exactly when the worker is stuck
 on a stalled disk or lock, never by the clock (tests/model_stall.py), so each schedule runs
@@ -79,7 +79,7 @@ from nri_cpuplugin.core.topology import Topology
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.storage.store import StateStore
 
-EXAMPLES = int(os.environ.get("NRI_MODEL_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("NRI_MODEL_EXAMPLES", "50"))
 STEPS = int(os.environ.get("NRI_MODEL_STEPS", "40"))
 BUDGET = 1.5  # each request's budget, as said in records: tests/model_stall.py runs it out
 MAX_PODS = 5
