@@ -56,3 +56,16 @@ class FakeV2:
 
     def fs(self) -> CgroupFS:
         return CgroupFS(cgroupfs.detect(str(self.root)))
+
+
+def on_generated_node(tmp_path: Path, name: str = "xeon-e5-2680v3-2s") -> tuple[Path, FakeV2]:
+    """A generated sysfs tree (tests/topologies.py) with a FAKE cgroup2 mount where the daemon
+    looks for one (``<sysfs>/fs/cgroup``), its root offering every CPU of the topology."""
+    from topologies import build
+
+    root, _ = build(name, tmp_path)
+    (root / "fs").mkdir()
+    fake = FakeV2(root / "fs" / "cgroup")
+    online = (root / "devices" / "system" / "cpu" / "online").read_text()
+    (fake.root / "cpuset.cpus.effective").write_text(online)
+    return root, fake

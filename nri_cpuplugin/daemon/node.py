@@ -42,7 +42,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import NoMetrics
 from ..storage.store import Expected, StateStore
-from . import earmarks
+from . import containers, earmarks, pods, upkeep
 from . import events as ev
 from .effects import NO_EFFECTS, Deliver, Effects, keep
 from .owed import Owed
@@ -296,21 +296,12 @@ class Node:
                 self.commit(Outcome(self.state))
         return NO_EFFECTS
 
-    # --- what the runtime lists -----------------------------------------------------------------
-
-    # --- containers -------------------------------------------------------------------------------
-
-    # --- pods ---------------------------------------------------------------------------------
-
     def disconnected(self, event: ev.Disconnected, deliver: Deliver = keep) -> Effects:
         self.runtime_lists = False
         return NO_EFFECTS
 
-    # --- late work: what a request answered without its decision leaves -------------------------
-
 
 # The handlers live beside the node, by subject; each uses the node's public parts only.
-from . import containers, pods, upkeep  # noqa: E402  (they import Node)
 
 HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.Configure: Node.configure,

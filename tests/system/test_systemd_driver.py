@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from daemon_driver import Driver
-from fake_cgroup_v2 import FakeV2
+from fake_cgroup_v2 import FakeV2, on_generated_node
 from fake_systemd import FakeSystemd, PrivateBus
 from nri_messages import container, pod
 from topologies import build
@@ -42,10 +42,7 @@ def systemd() -> Iterator[tuple[PrivateBus, FakeSystemd]]:
 
 
 def node(tmp_path, bus: str, **settings) -> tuple[Driver, FakeV2]:
-    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
-    (root / "fs").mkdir()
-    fake = FakeV2(root / "fs" / "cgroup")
-    (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
+    root, fake = on_generated_node(tmp_path)
     base = Settings(
         sysfs=str(root),
         state_dir=str(tmp_path / "state"),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from daemon_driver import Driver, Records
-from fake_cgroup_v2 import FakeV2
+from fake_cgroup_v2 import FakeV2, on_generated_node
 from nri_messages import container, pod
 from topologies import build
 
@@ -380,10 +380,7 @@ def test_followers_are_written_directly_on_a_fake_cgroup_v2_tree(tmp_path):
     follower whose effective set comes out as asked is done; a container of the systemd driver
     goes to the runtime in the reply; so does one whose ancestors do not offer the CPUs (v2:
     effective = what it asks for, within its parent's): the writes come before the answer."""
-    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
-    (root / "fs").mkdir()
-    fake = FakeV2(root / "fs" / "cgroup")
-    (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
+    root, fake = on_generated_node(tmp_path)
     settings = Settings(
         sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2,
         systemd_bus="off",  # whatever this machine runs: no systemd to set a unit's cpuset

@@ -9,10 +9,9 @@ import asyncio
 
 import pytest
 from daemon_driver import Records
-from fake_cgroup_v2 import FakeV2
+from fake_cgroup_v2 import FakeV2, on_generated_node
 from nri_messages import container, guaranteed_pod, pod
 from test_deadline import on_disk
-from topologies import build
 
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.daemon.service import Daemon
@@ -27,10 +26,7 @@ POOL = "0,2-24,26-47"  # once the pod's earmark (CPUs 1 and 25) left the shared 
 def node(daemons, tmp_path, budget: float = 1.5) -> tuple[Daemon, FakeV2, Records]:
     """The daemon on the generated 48-CPU node, its cgroups a FAKE v2 tree (no systemd to
     reach: only the cgroupfs driver's cgroups are the daemon's to write)."""
-    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
-    (root / "fs").mkdir()
-    fake = FakeV2(root / "fs" / "cgroup")
-    (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
+    root, fake = on_generated_node(tmp_path)
     settings = Settings(
         sysfs=str(root),
         state_dir=str(tmp_path / "state"),
