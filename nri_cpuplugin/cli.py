@@ -1,9 +1,9 @@
 """The ``nri-cpuplugin`` command.
 
-Exit codes: 0 success; 1 the request cannot be met (e.g. not enough CPUs), or ``run`` cannot
-start (e.g. its state lock is unusable); 2 bad input, usage or configuration (including a state
-directory that is not ours alone).  Errors are one line on stderr that says what was wrong and
-what to do.
+Exit codes (README.md, "Commands"): 0 success; 1 the request cannot be met (``allocate``: not
+enough suitable CPUs; ``status``: no usable state file) or ``run`` cannot start (e.g. its state
+lock is unusable); 2 bad input, usage or configuration (including a state directory that is not
+ours alone).  Errors are one line on stderr that says what was wrong and what to do.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from .ops.config import (
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
+
+    # What add_subparsers returns (a private argparse type: named only for the checker).
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 EXIT_UNSATISFIABLE = 1
 EXIT_USAGE = 2
@@ -53,6 +57,19 @@ def _cpulist(text: str) -> CPUSet:
         import argparse
 
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _count(text: str) -> int:
+    """A number of CPUs: a whole number, 0 or more (a negative count is bad input, exit 2)."""
+    import argparse
+
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count} is negative; expected 0 or more CPUs")
+    return count
 
 
 def load_topology(topology_file: str | None, sysfs: str | None) -> Topology:
@@ -83,12 +100,20 @@ def cmd_topology(args: argparse.Namespace) -> int:
         for numa, numa_cpus in topology.numa_nodes.items():
             if numa_cpus & socket_cpus:
                 print(f"  numa {numa}: {numa_cpus & socket_cpus}")
-                for llc, llc_cpus in topology.llc_groups.items():
-                    part = llc_cpus & numa_cpus & socket_cpus
-                    if part:
-                        cores = [c for c in topology.cores.values() if c & part]
-                        print(f"    llc {llc}: {part}   cores: {' '.join(map(str, cores))}")
+                for line in _llc_lines(topology, numa_cpus & socket_cpus):
+                    print(line)
     return 0
+
+
+def _llc_lines(topology: Topology, cpus: CPUSet) -> list[str]:
+    """The LLC groups within ``cpus`` (a NUMA node's part of a socket) and their cores."""
+    lines = []
+    for llc, llc_cpus in topology.llc_groups.items():
+        part = llc_cpus & cpus
+        if part:
+            cores = [c for c in topology.cores.values() if c & part]
+            lines.append(f"    llc {llc}: {part}   cores: {' '.join(map(str, cores))}")
+    return lines
 
 
 def cmd_allocate(args: argparse.Namespace) -> int:
@@ -128,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from .daemon.deadline import DeadlinePlugin
+    from .daemon.service import Daemon
     from .nri.stub import Stub
     from .ops.audit import Audit
 
@@ -138,14 +163,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        plugin = DeadlinePlugin(base, Audit(), flags)
+        daemon = Daemon(base, Audit(), flags)
         stub = Stub.from_environment(
-            plugin, settings.nri_name, settings.nri_index, settings.nri_socket,
-            observe=plugin.observe_request,
+            daemon.adapter, settings.nri_name, settings.nri_index, settings.nri_socket,
+            observe=daemon.observe_request,
         )  # fmt: skip
-        plugin.stub = stub
+        daemon.stub = stub
         if stub.launched_fd is None:
-            plugin.load_state()  # daemon: ready before the runtime is; launched: after Configure
+            daemon.load_state()  # daemon: ready before the runtime is; launched: after Configure
     except (UsageError, TopologyError, ConfigError, PolicyError):
         raise  # main(): one line, exit 2
     except PluginError as err:
@@ -159,18 +184,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stub.stop)
         if stub.launched_fd is None:
-            await plugin.start_metrics()  # launched: once the runtime's config is known
-            plugin.start_hotplug()  # follow CPUs going offline/online even while disconnected
+            await daemon.start_metrics()  # launched: once the runtime's config is known
+            daemon.start_hotplug()  # follow CPUs going offline/online even while disconnected
         try:
             await stub.run()
         finally:
-            plugin.stop_hotplug()
-            # Work answered before it was done (a release behind a busy lock) is committed
-            # before we go, if it can be soon; what cannot, the next start finds by itself.
-            await plugin.drain()
+            daemon.stop_hotplug()
+            await daemon.drain()
 
     asyncio.run(serve())
-    plugin.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")
+    daemon.audit.record("shutdown", "nri-cpuplugin stopped; assignments stay in the state file")
     return 0
 
 
@@ -204,41 +227,92 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nri-cpuplugin",
         description="Exclusive, topology-aware CPU sets for Kubernetes containers.",
+        epilog="Exit status: 0 success; 1 the request cannot be met or the command failed; "
+        "2 bad input, usage or configuration (`COMMAND --help` says more).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_topology, _add_allocate, _add_run, _add_hook, _add_install_hook, _add_status):
+        add(commands)
+    return parser
 
-    topo = commands.add_parser("topology", help="show the CPU topology")
+
+# One function per command: its options (each with help text), its exit statuses, its handler.
+
+
+def _add_topology(commands: Subparsers) -> None:
+    topo = commands.add_parser(
+        "topology",
+        help="show the CPU topology",
+        epilog="Exit status: 0 shown; 2 the sysfs root cannot be read.",
+    )
     topo.add_argument("--sysfs", default=DEFAULT_SYSFS, metavar="ROOT", help="sysfs root (/sys)")
-    topo.add_argument("--json", action="store_true", help="machine-readable output")
+    topo.add_argument(
+        "--json", action="store_true", help="machine-readable output ('allocate --topology' input)"
+    )
     topo.set_defaults(func=cmd_topology)
 
-    alloc = commands.add_parser("allocate", help="choose exclusive CPUs as the policy would")
+
+def _add_allocate(commands: Subparsers) -> None:
+    alloc = commands.add_parser(
+        "allocate",
+        help="choose exclusive CPUs as the policy would",
+        epilog="Exit status: 0 the chosen CPUs are printed; 1 the request cannot be met (the "
+        "reason on stderr); 2 bad input (a malformed or negative value, CPUs that are not "
+        "online, an unknown or refused option, an unreadable topology).",
+    )
     source = alloc.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--topology", metavar="FILE", help="output of 'topology --json' (- = stdin)"
     )
     source.add_argument("--sysfs", metavar="ROOT", help="discover from this sysfs root")
-    alloc.add_argument("--available", type=_cpulist, required=True, metavar="LIST")
     alloc.add_argument(
-        "--count", type=int, required=True, metavar="N", help="CPUs to choose (0: an empty line)"
+        "--available",
+        type=_cpulist,
+        required=True,
+        metavar="LIST",
+        help="CPUs free to choose from, in Linux list format (0-3,8)",
     )
     alloc.add_argument(
-        "--option", action="append", default=[], metavar="NAME", help=", ".join(KNOWN_OPTIONS)
+        "--count", type=_count, required=True, metavar="N", help="CPUs to choose (0: an empty line)"
+    )
+    alloc.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"a kubelet CPU manager policy option, repeatable: {', '.join(KNOWN_OPTIONS)}",
     )
     alloc.add_argument(
         "--reserved", type=_cpulist, default=CPUSet(), metavar="LIST", help="never handed out"
     )
     alloc.set_defaults(func=cmd_allocate)
 
-    run = commands.add_parser("run", help="the NRI plugin daemon")
+
+def _add_run(commands: Subparsers) -> None:
+    run = commands.add_parser(
+        "run",
+        help="the NRI plugin daemon",
+        epilog="Exit status: 0 stopped by SIGTERM or SIGINT; 1 cannot start for another reason "
+        "(e.g. its state lock cannot be used); 2 bad configuration or options, or a state "
+        "directory that is unsafe, unusable or claimed by another daemon.",
+    )
     run.add_argument("--socket", metavar="PATH", help="runtime NRI socket (/var/run/nri/nri.sock)")
     run.add_argument("--config", metavar="FILE", help="TOML configuration")
     run.add_argument("--state-dir", metavar="DIR", help=f"state directory ({DEFAULT_STATE_DIR})")
-    run.add_argument("--reserved-cpus", type=_cpulist, metavar="LIST", help="reserved CPUs")
+    run.add_argument(
+        "--reserved-cpus",
+        type=_cpulist,
+        metavar="LIST",
+        help="CPUs kept for the system, never exclusive (instead of the configured ones)",
+    )
     run.add_argument("--sysfs", metavar="ROOT", help="sysfs root for topology (/sys)")
-    run.add_argument("--log-level", choices=LOG_LEVELS)
+    run.add_argument(
+        "--log-level", choices=LOG_LEVELS, help="log messages from this level on (info)"
+    )
     run.set_defaults(func=cmd_run)
 
+
+def _add_hook(commands: Subparsers) -> None:
     # Listed for --help only: main() hands `hook ...` to hook.main before parsing (see there).
     commands.add_parser(
         "hook",
@@ -247,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(`nri-cpuplugin hook --help`)",
     )
 
+
+def _add_install_hook(commands: Subparsers) -> None:
     launcher = commands.add_parser(
         "install-hook",
         help="write the OCI hook's launcher (the program hooks/*.json names)",
@@ -255,21 +331,41 @@ def build_parser() -> argparse.ArgumentParser:
         "nri-cpuplugin-hook console script "
         "(no site-packages scan), and unaffected by PYTHON* variables.  Replaces the file or "
         "symlink at PATH in one rename.",
+        epilog="Exit status: 0 written; 2 the launcher cannot be written at PATH.",
     )
     launcher.add_argument(
-        "--path", default=DEFAULT_HOOK_PATH, metavar="PATH", help=f"({DEFAULT_HOOK_PATH})"
+        "--path",
+        default=DEFAULT_HOOK_PATH,
+        metavar="PATH",
+        help=f"where to write the launcher ({DEFAULT_HOOK_PATH})",
     )
     launcher.add_argument(
         "--python", metavar="PATH", help=f"interpreter to name (this one: {sys.executable})"
     )
     launcher.set_defaults(func=cmd_install_hook)
 
-    status = commands.add_parser("status", help="pools and assignments from the state file")
-    status.add_argument("--state-dir", default=DEFAULT_STATE_DIR, metavar="DIR")
-    status.add_argument("--sysfs", default=DEFAULT_SYSFS, metavar="ROOT")
-    status.add_argument("--json", action="store_true")
+
+def _add_status(commands: Subparsers) -> None:
+    status = commands.add_parser(
+        "status",
+        help="pools and assignments from the state file",
+        epilog="Exit status: 0 the state is shown; 1 there is no usable state file (missing, "
+        "or unreadable: the message says why).",
+    )
+    status.add_argument(
+        "--state-dir",
+        default=DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help=f"state directory ({DEFAULT_STATE_DIR})",
+    )
+    status.add_argument(
+        "--sysfs",
+        default=DEFAULT_SYSFS,
+        metavar="ROOT",
+        help="sysfs root for the free CPUs per NUMA node (/sys)",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -281,8 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return entry.main(argv[1:])
     args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except (UsageError, TopologyError, ConfigError, PolicyError) as err:
         print(f"nri-cpuplugin: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -7,16 +7,25 @@ running the real commit path; the test SIGKILLs it by pid.
 
 Protocol, one line per message on stdin/stdout:
   zygote -> test  "ready"              imports done
-  test -> zygote  "go <first>"         fork a writer starting at iteration <first>
+  test -> zygote  "go <first> <mode>"  fork a writer starting at iteration <first>; <mode> is
+                                       "store" (StateStore.commit) or "in-place" (see below)
   zygote -> test  "pid <pid>"          the writer to kill
-  writer -> test  "done <i>"           commit i has fully returned (written after commit())
+  writer -> test  "begin <i> <ns>"     commit i starts now (its state is built; the lock, the
+                                       write, fsync, rename and the directory's fsync follow)
+  writer -> test  "done <i> <ns>"      commit i has fully returned (written after commit())
+(<ns>: time.monotonic_ns() when the message was written, the same clock in every process.)
   zygote -> test  "exited <pid> <rc>"  the writer is dead and reaped (rc -9 for SIGKILL)
-A "done i" therefore means "commit i is on disk"; commit i+1 may or may not have reached its
-rename when the kill arrived.  Each message is a single write(2) of a few bytes to a pipe, so
-it is atomic: a kill cannot leave half a line.
+A "done i" therefore means "commit i is on disk"; a "begin i" with no "done i" after it means
+the kill landed inside commit i, which may or may not have reached its rename.  Each message
+is a single write(2) of a few bytes to a pipe, so it is atomic: a kill cannot leave half a
+line.
 
 Every state is a pure function of its iteration, with 1..200 assignments so document sizes
 vary, which makes a torn or mixed file detectable as a checksum error or a wrong value.
+
+The "in-place" mode is a broken store, for the test that proves the crash test can fail: it
+rewrites state.json where it is (truncate, write half, fsync, write the rest), so a kill inside
+its commit leaves a torn file.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import traceback
 import uuid
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.state import Assignment, NodeState
+from nri_cpuplugin.core.state import Assignment, NodeState, encode
 from nri_cpuplugin.storage.store import StateStore
 
 N_CPUS = 256
@@ -62,25 +72,43 @@ def iteration_of(state: NodeState) -> int:
     return int(namespaces.pop().removeprefix("iter-"))
 
 
-def _write_forever(state_dir: str, first: int) -> None:
+def _commit_in_place(store: StateStore, state: NodeState) -> None:
+    """The broken commit: no temp file, no rename."""
+    data = encode(state)
+    fd = os.open(store.state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        half = len(data) // 2
+        os.write(fd, data[:half])
+        os.fsync(fd)
+        os.write(fd, data[half:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_forever(state_dir: str, first: int, mode: str) -> None:
     store = StateStore(state_dir)
     iteration = first
     while True:
         state = state_for(iteration)
+        os.write(1, b"begin %d %d\n" % (iteration, time.monotonic_ns()))
         with store.locked():
-            store.commit(state)
-        os.write(1, b"done %d\n" % iteration)
+            if mode == "in-place":
+                _commit_in_place(store, state)
+            else:
+                store.commit(state)
+        os.write(1, b"done %d %d\n" % (iteration, time.monotonic_ns()))
         iteration += 1
 
 
 def main(state_dir: str) -> None:
     os.write(1, b"ready\n")
     while line := sys.stdin.buffer.readline():
-        first = int(line.split()[1])
+        _, first, mode = line.split()
         pid = os.fork()
         if pid == 0:  # the writer: never returns into this loop
             try:
-                _write_forever(state_dir, first)
+                _write_forever(state_dir, int(first), mode.decode())
             except BaseException:
                 traceback.print_exc()
                 sys.stderr.flush()

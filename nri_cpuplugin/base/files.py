@@ -95,50 +95,57 @@ def write_atomic(
 ) -> float:
     """Replace ``directory/name`` with ``data`` in one rename; returns the seconds spent in
     fsync.  ``dir_fd`` (an open handle on ``directory``) is used for every name when given."""
-    own_fd = dir_fd is None
-    if own_fd:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if dir_fd is not None:
+        return _replace(dir_fd, directory, name, data, mode, durable)
+    own_dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _replace(own_dir_fd, directory, name, data, mode, durable)
+    finally:
+        os.close(own_dir_fd)
+
+
+def _replace(
+    dir_fd: int, directory: str, name: str, data: bytes, mode: int, durable: bool
+) -> float:
+    """write_atomic's steps: a new temp file written (and synced), renamed over ``name``, the
+    directory synced; the temp file removed again if it was not renamed."""
     tmp = f".{name}.{os.urandom(6).hex()}.tmp"
     label = os.path.join(directory, name)
     try:
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            mode,
+            dir_fd=dir_fd,
+        )
+    except OSError as err:
+        raise _write_error(label, err) from None
+    synced = 0.0
+    renamed = False
+    try:
         try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                mode,
-                dir_fd=dir_fd,
-            )
-        except OSError as err:
-            raise _write_error(label, err) from None
-        synced = 0.0
-        renamed = False
-        try:
-            try:
-                os.fchmod(fd, mode)  # whatever the umask said
-                view = memoryview(data)
-                while view:  # os.write may write less than asked (signals, quotas)
-                    view = view[os.write(fd, view) :]
-                if durable:
-                    synced = _fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            renamed = True
+            os.fchmod(fd, mode)  # whatever the umask said
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (signals, quotas)
+                view = view[os.write(fd, view) :]
             if durable:
-                # The rename lives in the directory: without this a power cut can revert it.
-                synced += _fsync(dir_fd)
-        except OSError as err:
-            if not renamed:
-                _unlink_quietly(tmp, dir_fd)
-            raise _write_error(label, err) from None
-        except BaseException:
-            if not renamed:
-                _unlink_quietly(tmp, dir_fd)
-            raise
-        return synced
-    finally:
-        if own_fd:
-            os.close(dir_fd)
+                synced = _fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        renamed = True
+        if durable:
+            # The rename lives in the directory: without this a power cut can revert it.
+            synced += _fsync(dir_fd)
+    except OSError as err:
+        if not renamed:
+            _unlink_quietly(tmp, dir_fd)
+        raise _write_error(label, err) from None
+    except BaseException:
+        if not renamed:
+            _unlink_quietly(tmp, dir_fd)
+        raise
+    return synced
 
 
 def remove_temps(dir_fd: int, prefix: str, suffix: str = "", min_age: float = 0.0) -> None:

@@ -26,10 +26,11 @@ from __future__ import annotations
 try:
     import _json  # CPython's accelerator: what json uses when it is there
 except ImportError:  # pragma: no cover - other interpreters: json alone
-    _json = None
+    _json = None  # type: ignore[assignment]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from json import JSONDecodeError as DecodeError
     from typing import Any
 
@@ -182,7 +183,12 @@ class _Settings:
     parse_constant = staticmethod(_refuse_constant)
 
 
-_scanner = _json.make_scanner(_Settings()) if _json is not None else None
+# (typeshed types make_scanner's argument as a JSONDecoder: _Settings carries what it reads.)
+_scanner: Callable[[str, int], tuple[Any, int]] | None = (
+    _json.make_scanner(_Settings())  # type: ignore[arg-type]
+    if _json is not None  # type: ignore[redundant-expr]
+    else None
+)
 
 
 def _refuse_lone_surrogates(value: Any) -> None:
@@ -230,12 +236,8 @@ def _indented(value: Any, parts: list[str], depth: int, sort_keys: bool, open_: 
         parts.append(_json.encode_basestring(value))
     elif kind is int:
         parts.append(int.__repr__(value))
-    elif value is None:
-        parts.append("null")
-    elif value is True:
-        parts.append("true")
-    elif value is False:
-        parts.append("false")
+    elif value is None or kind is bool:
+        parts.append(_CONSTANTS[value])
     elif kind is list or kind is tuple or kind is dict:
         if not value:
             parts.append("{}" if kind is dict else "[]")
@@ -243,25 +245,40 @@ def _indented(value: Any, parts: list[str], depth: int, sort_keys: bool, open_: 
         if id(value) in open_:
             raise ValueError("Circular reference detected")
         open_.add(id(value))
-        inner = "\n" + "  " * (depth + 1)
         if kind is dict:
-            parts.append("{")
-            items = sorted(value.items()) if sort_keys else value.items()
-            for i, (key, item) in enumerate(items):
-                if type(key) is not str:
-                    raise _Unsupported(type(key).__name__)
-                parts.append("," + inner if i else inner)
-                parts.append(_json.encode_basestring(key))
-                parts.append(": ")
-                _indented(item, parts, depth + 1, sort_keys, open_)
-            close = "}"
+            _indented_object(value, parts, depth, sort_keys, open_)
         else:
-            parts.append("[")
-            for i, item in enumerate(value):
-                parts.append("," + inner if i else inner)
-                _indented(item, parts, depth + 1, sort_keys, open_)
-            close = "]"
-        parts.append("\n" + "  " * depth + close)
+            _indented_array(value, parts, depth, sort_keys, open_)
         open_.discard(id(value))
     else:
         raise _Unsupported(kind.__name__)
+
+
+_CONSTANTS = {None: "null", True: "true", False: "false"}
+
+
+def _indented_object(
+    value: dict, parts: list[str], depth: int, sort_keys: bool, open_: set[int]
+) -> None:
+    inner = "\n" + "  " * (depth + 1)
+    parts.append("{")
+    items = sorted(value.items()) if sort_keys else value.items()
+    for i, (key, item) in enumerate(items):
+        if type(key) is not str:
+            raise _Unsupported(type(key).__name__)
+        parts.append("," + inner if i else inner)
+        parts.append(_json.encode_basestring(key))
+        parts.append(": ")
+        _indented(item, parts, depth + 1, sort_keys, open_)
+    parts.append("\n" + "  " * depth + "}")
+
+
+def _indented_array(
+    value: list | tuple, parts: list[str], depth: int, sort_keys: bool, open_: set[int]
+) -> None:
+    inner = "\n" + "  " * (depth + 1)
+    parts.append("[")
+    for i, item in enumerate(value):
+        parts.append("," + inner if i else inner)
+        _indented(item, parts, depth + 1, sort_keys, open_)
+    parts.append("\n" + "  " * depth + "]")

@@ -11,6 +11,7 @@ from .errors import PluginError
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any
 
 
@@ -24,7 +25,7 @@ def obj(value: Any, what: str) -> dict:
     return value
 
 
-def _get(doc: dict, key: str, optional: bool) -> Any:
+def _get(doc: Mapping[str, Any], key: str, optional: bool) -> Any:
     if key not in doc or (optional and doc[key] is None):
         if optional:
             return None
@@ -32,14 +33,16 @@ def _get(doc: dict, key: str, optional: bool) -> Any:
     return doc[key]
 
 
-def string(doc: dict, key: str, optional: bool = False) -> Any:
+def string(doc: Mapping[str, Any], key: str, optional: bool = False) -> Any:
     value = _get(doc, key, optional)
     if value is not None and not isinstance(value, str):
         raise ShapeError(f"{key} must be a string, found {type(value).__name__}")
     return value
 
 
-def integer(doc: dict, key: str, optional: bool = False, minimum: int | None = None) -> Any:
+def integer(
+    doc: Mapping[str, Any], key: str, optional: bool = False, minimum: int | None = None
+) -> Any:
     value = _get(doc, key, optional)
     if value is None:
         return None
@@ -49,21 +52,21 @@ def integer(doc: dict, key: str, optional: bool = False, minimum: int | None = N
     return value
 
 
-def boolean(doc: dict, key: str, default: bool = False) -> bool:
+def boolean(doc: Mapping[str, Any], key: str, default: bool = False) -> bool:
     value = doc.get(key, default)
     if not isinstance(value, bool):
         raise ShapeError(f"{key} must be a boolean")
     return value
 
 
-def array(doc: dict, key: str) -> list:
+def array(doc: Mapping[str, Any], key: str) -> list:
     value = _get(doc, key, False)
     if not isinstance(value, list):
         raise ShapeError(f"{key} must be a list")
     return value
 
 
-def mapping(doc: dict, key: str) -> dict:
+def mapping(doc: Mapping[str, Any], key: str) -> dict:
     value = _get(doc, key, False)
     if not isinstance(value, dict):
         raise ShapeError(f"{key} must be an object")
@@ -76,7 +79,7 @@ def strings(value: Any, what: str) -> list[str]:
     return value
 
 
-def string_map(doc: dict, key: str, what: str = "") -> dict[str, str]:
+def string_map(doc: Mapping[str, Any], key: str, what: str = "") -> dict[str, str]:
     """An optional object of strings to strings (annotations, paths by id)."""
     value = doc.get(key)
     if value is None:

@@ -27,9 +27,16 @@ from __future__ import annotations
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, ClassVar
+    from typing import Any, ClassVar, Self, dataclass_transform
+else:
+
+    def dataclass_transform(**_: object) -> Callable[[type], type]:
+        """typing's marker, for type checkers only: they then read a ``Value``'s constructor
+        from its fields, as a frozen dataclass's."""
+        return lambda cls: cls
 
 
+@dataclass_transform(frozen_default=True)
 class Value:
     _fields: ClassVar[tuple[str, ...]] = ()
     _defaults: ClassVar[dict[str, Any]] = {}
@@ -78,7 +85,7 @@ class Value:
         if post_init is not None:
             post_init()
 
-    def evolve(self, **changes: Any) -> Any:
+    def evolve(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (checked and normalised as a new instance)."""
         values = {name: self.__dict__[name] for name in self._fields}
         values.update(changes)
@@ -91,7 +98,7 @@ class Value:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self is other or self._values() == other._values()  # type: ignore[attr-defined]
+        return self is other or self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash((type(self), self._values()))
@@ -108,7 +115,7 @@ class Value:
         raise AttributeError(f"{type(self).__name__} is immutable ({name!r})")
 
 
-class cached_property:  # (lower case: it stands in for functools.cached_property)
+class CachedProperty:
     """``functools.cached_property`` without importing functools, which loads collections: the
     OCI hook's start-up (tests/system/test_hook_imports.py).  The value computed on first
     access is stored in the instance's ``__dict__`` under the same name, where later lookups
@@ -128,3 +135,10 @@ class cached_property:  # (lower case: it stands in for functools.cached_propert
         value = self.func(instance)
         instance.__dict__[self.name] = value
         return value
+
+
+if TYPE_CHECKING:
+    # Type checkers know functools' by name: the value has the decorated function's type.
+    from functools import cached_property
+else:
+    cached_property = CachedProperty  # (lower case: it stands in for functools.cached_property)

@@ -158,11 +158,10 @@ class Allocator:
         self.topology = topology
         self.options = validate_options(options, topology)
         by_socket = ALIGN_BY_SOCKET in self.options
-        info = topology.by_id
-        self._numa = {c: info[c].numa for c in topology.online}
-        self._socket = {c: info[c].socket for c in topology.online}
-        self._llc = {c: info[c].l3 for c in topology.online}
-        self._core = {c: info[c].core for c in topology.online}
+        self._numa = topology.group_ids("numa")
+        self._socket = topology.group_ids("socket")
+        self._llc = topology.group_ids("l3")
+        self._core = topology.group_ids("core")
         # Plain frozensets: the score runs thousands of times per second.
         self._core_cpus = {k: frozenset(v) for k, v in topology.cores.items()}
         self._numa_cpus = {k: frozenset(v) for k, v in topology.numa_nodes.items()}
@@ -242,22 +241,26 @@ class Allocator:
             spread = self._distribute(children, n, avail)
             if spread is not None:
                 return spread
+        return min(self._candidates(children, n, avail), key=lambda pick: self._score(pick, avail))
+
+    def _candidates(
+        self, children: list[tuple[_Node, int]], n: int, avail: frozenset[int]
+    ) -> list[frozenset[int]]:
+        """The best pick within each smallest set of children (with their free CPUs) that
+        holds ``n`` free CPUs; ``_score`` chooses among them."""
         need = _fewest_children(sorted((f for _, f in children), reverse=True), n)
-        candidates = []
         if need == 1:
-            for child, free in children:
-                if free >= n:
-                    candidates.append(self._plan(child, n, avail))
-        else:
-            for combo in self._combinations(children, need):
-                if sum(free for _, free in combo) < n:
-                    continue
-                # Roomiest first: take those whole, place the remainder in the last one.
-                ordered = sorted(combo, key=lambda cf: (-cf[1], cf[0].first))
-                whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
-                rest = self._plan(ordered[-1][0], n - len(whole), avail)
-                candidates.append(whole | rest)
-        return min(candidates, key=lambda pick: self._score(pick, avail))
+            return [self._plan(child, n, avail) for child, free in children if free >= n]
+        candidates = []
+        for combo in self._combinations(children, need):
+            if sum(free for _, free in combo) < n:
+                continue
+            # Roomiest first: take those whole, place the remainder in the last one.
+            ordered = sorted(combo, key=lambda cf: (-cf[1], cf[0].first))
+            whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
+            rest = self._plan(ordered[-1][0], n - len(whole), avail)
+            candidates.append(whole | rest)
+        return candidates
 
     def _combinations(self, children: list, need: int) -> Iterable[tuple]:
         if comb(len(children), need) <= _MAX_COMBINATIONS:
@@ -272,14 +275,7 @@ class Allocator:
         cores = [(core, sorted(core.cpus & avail)) for core in node.children]
         cores = [(core, free) for core, free in cores if free]
         if DISTRIBUTE_ACROSS_CORES in self.options:
-            # Idle cores first, one thread per core per round, so siblings stay idle longest.
-            cores.sort(key=lambda cf: (-len(cf[1]), cf[0].first))
-            picked: list[int] = []
-            for depth in range(self._smt):
-                for _, free in cores:
-                    if depth < len(free) and len(picked) < n:
-                        picked.append(free[depth])
-            return frozenset(picked)
+            return self._one_thread_per_core(cores, n)
         picked = []
         remaining = n
         rest = []
@@ -289,19 +285,19 @@ class Allocator:
                 remaining -= len(free)
             else:
                 rest.append((core, free))
-        if remaining == 0:
-            return frozenset(picked)
-        fitting = [(len(free), core.first, free) for core, free in rest if len(free) >= remaining]
-        if fitting:
-            picked.extend(min(fitting)[2][:remaining])
-            return frozenset(picked)
-        # No single core holds the remainder: touch as few cores as possible.
-        for _, free in sorted(rest, key=lambda cf: (-len(cf[1]), cf[0].first)):
-            take = free[:remaining]
-            picked.extend(take)
-            remaining -= len(take)
-            if remaining == 0:
-                break
+        if remaining:
+            picked.extend(_fewest_threads_beside_others(rest, remaining))
+        return frozenset(picked)
+
+    def _one_thread_per_core(self, cores: list[tuple[_Node, list[int]]], n: int) -> frozenset:
+        """distribute-cpus-across-cores: idle cores first, one thread per core per round, so
+        siblings stay idle longest."""
+        cores = sorted(cores, key=lambda cf: (-len(cf[1]), cf[0].first))
+        picked: list[int] = []
+        for depth in range(self._smt):
+            for _, free in cores:
+                if depth < len(free) and len(picked) < n:
+                    picked.append(free[depth])
         return frozenset(picked)
 
     def _distribute(self, children: list, n: int, avail: frozenset[int]) -> frozenset | None:
@@ -364,6 +360,20 @@ class Allocator:
             llc_left,
             tuple(sorted(pick)),
         )
+
+
+def _fewest_threads_beside_others(cores: list[tuple[_Node, list[int]]], n: int) -> list[int]:
+    """``n`` threads from partly used cores (or whole ones too big for ``n``): the tightest
+    single core that holds them, else as few cores as possible, roomiest first."""
+    fitting = [(len(free), core.first, free) for core, free in cores if len(free) >= n]
+    if fitting:
+        return min(fitting)[2][:n]
+    picked: list[int] = []
+    for _, free in sorted(cores, key=lambda cf: (-len(cf[1]), cf[0].first)):
+        picked.extend(free[: n - len(picked)])
+        if len(picked) == n:
+            break
+    return picked
 
 
 def _fewest_children(free_desc: list[int], n: int) -> int:

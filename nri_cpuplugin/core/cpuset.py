@@ -23,6 +23,7 @@ class CPUSet(frozenset[int]):
     # The text form, made on first use: one set is printed many times over (every sibling's
     # write, the answer, the audit records), and sets never change.
     __slots__ = ("_text",)
+    _text: str
 
     def __new__(cls, cpus: Iterable[int] = ()) -> CPUSet:
         self = super().__new__(cls, cpus)
@@ -61,15 +62,15 @@ class CPUSet(frozenset[int]):
 
     def ranges(self) -> Iterator[tuple[int, int]]:
         """Maximal runs of consecutive ids, ascending, as inclusive (first, last) pairs."""
-        run_start = run_end = None
+        run_start = run_end = -2  # no run yet: no id follows it
         for cpu in sorted(self):
-            if run_end is not None and cpu == run_end + 1:
+            if cpu == run_end + 1:
                 run_end = cpu
                 continue
-            if run_start is not None:
+            if run_start >= 0:
                 yield run_start, run_end
             run_start = run_end = cpu
-        if run_start is not None:
+        if run_start >= 0:
             yield run_start, run_end
 
     def __str__(self) -> str:
@@ -86,31 +87,33 @@ class CPUSet(frozenset[int]):
         return sorted(self)
 
     # frozenset's operators return plain frozensets; keep the type so results print as cpulists.
-    def __or__(self, other: Iterable[int]) -> CPUSet:
+    # (They take any iterable of ids where frozenset's take sets of anything: typeshed's
+    # signatures for frozenset cannot be narrowed to ints, hence the ignored overrides.)
+    def __or__(self, other: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.__or__(self, _valid(other)))
 
-    def __and__(self, other: Iterable[int]) -> CPUSet:
+    def __and__(self, other: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.__and__(self, _plain(other)))
 
-    def __sub__(self, other: Iterable[int]) -> CPUSet:
+    def __sub__(self, other: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.__sub__(self, _plain(other)))
 
-    def __xor__(self, other: Iterable[int]) -> CPUSet:
+    def __xor__(self, other: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.__xor__(self, _valid(other)))
 
     __ror__ = __or__
     __rand__ = __and__
 
-    def union(self, *others: Iterable[int]) -> CPUSet:
+    def union(self, *others: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.union(self, *map(_valid, others)))
 
-    def intersection(self, *others: Iterable[int]) -> CPUSet:
+    def intersection(self, *others: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.intersection(self, *others))
 
-    def difference(self, *others: Iterable[int]) -> CPUSet:
+    def difference(self, *others: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.difference(self, *others))
 
-    def symmetric_difference(self, other: Iterable[int]) -> CPUSet:
+    def symmetric_difference(self, other: Iterable[int]) -> CPUSet:  # type: ignore[override]
         return CPUSet._trusted(frozenset.symmetric_difference(self, _valid(other)))
 
     __rxor__ = __xor__

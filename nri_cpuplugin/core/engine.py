@@ -506,10 +506,33 @@ def reconcile(
     5. Everything else runs in the shared pool.
     """
     live = list(live)
-    live_ids = {c.workload.container_id for c in live}
-    pods = set(live_pods) | {c.workload.pod_uid for c in live}
     notes: list[str] = []
+    state = _forget_gone(policy, state, live, set(live_pods), notes)
+    state = _place_eligible(policy, state, live, notes)
+    sharing = {
+        c.workload.container_id: c.workload.pod_uid
+        for c in live
+        if c.workload.container_id not in state.assignments
+    }
+    cgroups = {
+        c.workload.container_id: c.workload.cgroup_path for c in live if c.workload.cgroup_path
+    }
+    state = state.evolve(sharing=sharing, cgroups=cgroups)
+    return Reconciled(policy.normalized(state), tuple(notes))
 
+
+def _forget_gone(
+    policy: StaticPolicy,
+    state: NodeState,
+    live: list[LiveContainer],
+    live_pods: set[str],
+    notes: list[str],
+) -> NodeState:
+    """reconcile's rules 1-3: assignments of containers no longer live dropped, stopped
+    containers' CPUs and earmarks remembered only for pods that still exist, the rest kept;
+    nothing shares until the live containers say so."""
+    live_ids = {c.workload.container_id for c in live}
+    pods = live_pods | {c.workload.pod_uid for c in live}
     kept = {}
     for cid, assignment in state.assignments.items():
         if cid in live_ids:
@@ -521,10 +544,14 @@ def reconcile(
     for uid in state.earmarks.keys() - earmarks.keys():
         notes.append(f"dropped CPUs {state.earmarks[uid].cpus} earmarked for gone pod {uid}")
     state = state.evolve(assignments=kept, released=released, sharing={}, earmarks=earmarks)
-    state = state.evolve(shared=policy.shared_pool(state.exclusive))
+    return state.evolve(shared=policy.shared_pool(state.exclusive))
 
-    # Adopt first, so that containers already on their own CPUs are not displaced by
-    # newcomers placed anew; then place the rest in a stable order.
+
+def _place_eligible(
+    policy: StaticPolicy, state: NodeState, live: list[LiveContainer], notes: list[str]
+) -> NodeState:
+    """reconcile's rule 4.  Adopt first, so that containers already on their own CPUs are not
+    displaced by newcomers placed anew; then place the rest in a stable order."""
     waiting = []
     for container in sorted(live, key=lambda c: c.workload.container_id):
         workload = container.workload
@@ -550,16 +577,7 @@ def reconcile(
             notes.append(f"{_name_of(workload)} left in the shared pool: {err}")
             continue
         notes.append(f"placed {_name_of(workload)} on {decision.cpus}")
-    sharing = {
-        c.workload.container_id: c.workload.pod_uid
-        for c in live
-        if c.workload.container_id not in state.assignments
-    }
-    cgroups = {
-        c.workload.container_id: c.workload.cgroup_path for c in live if c.workload.cgroup_path
-    }
-    state = state.evolve(sharing=sharing, cgroups=cgroups)
-    return Reconciled(policy.normalized(state), tuple(notes))
+    return state
 
 
 def _name_of(workload: Workload) -> str:

@@ -26,5 +26,7 @@ class AuditEvent(Value):
     fields: Mapping[str, object] = _NONE
 
 
-def event(action: str, message: str, priority: int = INFO, **fields: object) -> AuditEvent:
+def event(action: str, message: str, priority: int = INFO, /, **fields: object) -> AuditEvent:
+    """An audit event; ``fields`` become its record's fields (positional-only parameters, so a
+    field may have any name)."""
     return AuditEvent(action, message, priority, MappingProxyType(fields))

@@ -50,19 +50,29 @@ def follow_online(
     longer describes; without it, a container that lost everything is replaced anywhere.
     """
     topo = policy.topology
-    online = topo.online
-    usable = policy.assignable | topo.isolated
     # Earmarks are a head start, not a promise: the CPUs follow the containers that hold them,
     # and an earmarked pod's containers are placed like any other's meanwhile.
     state = state.evolve(earmarks={})
-    held = dict(state.assignments)
-    changes: list[HotplugChange] = []
+    held = dict(state.assignments)  # each step below updates it in place
+    usable = policy.assignable | topo.isolated
+    newly_lost = _drop_offline(held, topo.online, usable)
+    changes = _restore(policy, held, usable)
+    changes += _replace(policy, held, newly_lost, previous)
+    changes += _preempt(policy, held)
+    new_state = state.evolve(assignments=held, fingerprint=topo.fingerprint())
+    new_state = new_state.evolve(shared=policy.shared_pool(new_state.exclusive))
+    return Followed(new_state, tuple(changes))
+
+
+def _taken(held: Mapping[str, Assignment]) -> CPUSet:
+    return CPUSet().union(*(a.cpus for a in held.values()))
+
+
+def _drop_offline(held: dict[str, Assignment], online: CPUSet, usable: CPUSet) -> dict[str, CPUSet]:
+    """Step 1: offline CPUs leave every assignment and are owed to it.  Returns what each
+    container lost now."""
     newly_lost: dict[str, CPUSet] = {}
-
-    def taken() -> CPUSet:
-        return CPUSet().union(*(a.cpus for a in held.values()))
-
-    for cid in sorted(held):  # 1.
+    for cid in sorted(held):
         a = held[cid]
         gone = a.cpus - online
         # An owed CPU that is online but can no longer be ours (now reserved or isolated by
@@ -71,19 +81,42 @@ def follow_online(
         if gone or dead:
             held[cid] = a.evolve(cpus=a.cpus - gone, lost=(a.lost | gone) - dead)
             newly_lost[cid] = gone | dead
-    for cid in sorted(held):  # 2.
+    return newly_lost
+
+
+def _restore(
+    policy: StaticPolicy, held: dict[str, Assignment], usable: CPUSet
+) -> list[HotplugChange]:
+    """Step 2: owed CPUs usable again return to their container, as long as the shared pool
+    keeps a CPU."""
+    online = policy.topology.online
+    changes = []
+    for cid in sorted(held):
         a = held[cid]
-        candidates = (a.lost & online & usable) - taken()
+        candidates = (a.lost & online & usable) - _taken(held)
         back = CPUSet()
         for cpu in candidates.sorted():
-            if policy.shared_pool(taken() | back | {cpu}):
+            if policy.shared_pool(_taken(held) | back | {cpu}):
                 back |= {cpu}
         if back:
             held[cid] = a = a.evolve(cpus=a.cpus | back, lost=a.lost - back)
             changes.append(
                 HotplugChange(cid, "restored", back, a.cpus, a.lost, f"CPU {back} is usable again")
             )
-    for cid in sorted(held):  # 3.
+    return changes
+
+
+def _replace(
+    policy: StaticPolicy,
+    held: dict[str, Assignment],
+    newly_lost: Mapping[str, CPUSet],
+    previous: Topology | None,
+) -> list[HotplugChange]:
+    """Step 3: free replacements for CPUs still owed that are offline or can never return;
+    a container that lost CPUs now and gets none is degraded."""
+    online = policy.topology.online
+    changes = []
+    for cid in sorted(held):
         a = held[cid]
         dead = newly_lost.get(cid, CPUSet()) & online  # can never return: replace or forget
         missing = (a.lost - online) | dead
@@ -92,52 +125,34 @@ def follow_online(
         pick, where = _replacement(policy, held, a, missing, previous)
         if pick:
             held[cid] = a = a.evolve(cpus=a.cpus | pick, lost=a.lost - missing)
-            changes.append(
-                HotplugChange(
-                    cid,
-                    "replaced",
-                    pick,
-                    a.cpus,
-                    a.lost,
-                    f"CPU {missing} went offline; replaced by {pick} ({where})",
-                )
-            )
+            reason = f"CPU {missing} went offline; replaced by {pick} ({where})"
+            changes.append(HotplugChange(cid, "replaced", pick, a.cpus, a.lost, reason))
         elif cid in newly_lost:
-            changes.append(
-                HotplugChange(
-                    cid,
-                    "degraded",
-                    newly_lost[cid],
-                    a.cpus,
-                    a.lost,
-                    f"CPU {newly_lost[cid]} went offline and no free CPU can replace it"
-                    + (
-                        "; it runs in the shared pool until the CPU returns"
-                        if not a.cpus
-                        else f"; it keeps {a.cpus} until the CPU returns"
-                    ),
-                )
+            lost = newly_lost[cid]
+            keeps = (
+                f"it keeps {a.cpus} until the CPU returns"
+                if a.cpus
+                else "it runs in the shared pool until the CPU returns"
             )
-    while not policy.shared_pool(taken()):  # 4.
+            reason = f"CPU {lost} went offline and no free CPU can replace it; {keeps}"
+            changes.append(HotplugChange(cid, "degraded", lost, a.cpus, a.lost, reason))
+    return changes
+
+
+def _preempt(policy: StaticPolicy, held: dict[str, Assignment]) -> list[HotplugChange]:
+    """Step 4: while the shared pool would be empty, the largest assignment gives a CPU back
+    (owed to it)."""
+    changes = []
+    while not policy.shared_pool(_taken(held)):
         victims = [a for a in held.values() if a.cpus & policy.shareable]
         if not victims:
             break
         a = max(victims, key=lambda v: (len(v.cpus), max(v.cpus), v.container_id))
         cpu = CPUSet([max(a.cpus & policy.shareable)])
         held[a.container_id] = a = a.evolve(cpus=a.cpus - cpu, lost=a.lost | cpu)
-        changes.append(
-            HotplugChange(
-                a.container_id,
-                "preempted",
-                cpu,
-                a.cpus,
-                a.lost,
-                f"CPU {cpu} taken back: the shared pool had no CPU left",
-            )
-        )
-    new_state = state.evolve(assignments=held, fingerprint=topo.fingerprint())
-    new_state = new_state.evolve(shared=policy.shared_pool(new_state.exclusive))
-    return Followed(new_state, tuple(changes))
+        reason = f"CPU {cpu} taken back: the shared pool had no CPU left"
+        changes.append(HotplugChange(a.container_id, "preempted", cpu, a.cpus, a.lost, reason))
+    return changes
 
 
 def _replacement(
@@ -148,31 +163,12 @@ def _replacement(
     previous: Topology | None,
 ) -> tuple[CPUSet, str]:
     """Free CPUs to replace ``missing`` for ``a``, and where they were found; empty if none."""
-    topo = policy.topology
     others = [x for x in held.values() if x.container_id != a.container_id]
     busy = CPUSet().union(*(x.cpus | x.lost for x in others)) | a.cpus
-    isolated = any(
-        info.isolated
-        for source in (topo, previous)
-        if source is not None
-        for cpu in a.cpus | missing
-        if (info := source.by_id.get(cpu)) is not None
-    )
-    free = (topo.isolated if isolated else policy.assignable) - busy
-    nodes = topo.numa_of(a.cpus) | (previous.numa_of(missing) if previous else CPUSet())
-    sockets = {topo.by_id[c].socket for c in a.cpus} | {
-        previous.by_id[c].socket for c in missing if previous is not None and c in previous.online
-    }
-    tiers = [
-        ("same NUMA node", policy.node_cpus(nodes)),
-        ("same socket", CPUSet().union(*(topo.sockets.get(s, CPUSet()) for s in sockets))),
-        ("another socket", topo.online),
-    ]
-    if a.nic_strict and a.nic_nodes:
-        near = policy.node_cpus(a.nic_nodes)
-        tiers = [(f"{label}, next to its NICs", cpus & near) for label, cpus in tiers]
-    exclusive = CPUSet().union(*(x.cpus for x in held.values()))
-    for label, tier in tiers:
+    isolated = _was_isolated(a.cpus | missing, policy.topology, previous)
+    free = (policy.topology.isolated if isolated else policy.assignable) - busy
+    exclusive = _taken(held)
+    for label, tier in _replacement_tiers(policy, a, missing, previous):
         candidates = free & tier
         if len(candidates) < len(missing):
             continue
@@ -183,3 +179,39 @@ def _replacement(
         if policy.shared_pool(exclusive | pick):
             return pick, label
     return CPUSet(), ""
+
+
+def _was_isolated(cpus: CPUSet, topo: Topology, previous: Topology | None) -> bool:
+    """Whether any of ``cpus`` is (or, before the change, was) an isolated CPU."""
+    return any(
+        info.isolated
+        for source in (topo, previous)
+        if source is not None
+        for cpu in cpus
+        if (info := source.by_id.get(cpu)) is not None
+    )
+
+
+def _replacement_tiers(
+    policy: StaticPolicy, a: Assignment, missing: CPUSet, previous: Topology | None
+) -> list[tuple[str, CPUSet]]:
+    """Where replacements for ``missing`` are looked for, closest first: the container's NUMA
+    node(s), its socket(s), anywhere; never off its NICs' nodes when their locality is
+    strict.  ``previous`` locates the offline CPUs, which sysfs no longer describes."""
+    topo = policy.topology
+    nodes = topo.numa_of(a.cpus)
+    socket_of = topo.group_ids("socket")
+    sockets = {socket_of[c] for c in a.cpus if c in socket_of}
+    if previous is not None:
+        nodes |= previous.numa_of(missing)
+        before = previous.group_ids("socket")
+        sockets |= {before[c] for c in missing if c in before}
+    tiers = [
+        ("same NUMA node", policy.node_cpus(nodes)),
+        ("same socket", CPUSet().union(*(topo.sockets.get(s, CPUSet()) for s in sockets))),
+        ("another socket", topo.online),
+    ]
+    if a.nic_strict and a.nic_nodes:
+        near = policy.node_cpus(a.nic_nodes)
+        tiers = [(f"{label}, next to its NICs", cpus & near) for label, cpus in tiers]
+    return tiers

@@ -42,6 +42,9 @@ TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI ho
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
+    # Where a container's CPUs may come from: (exact: this set or nothing, CPUs, why).
+    _Source = tuple[bool, CPUSet, str]
+
 POLICY_NAME = "static"
 # Remembered stops (for restarts and init containers' CPUs): far more than the containers of a
 # dense node's pods restarting at once, small enough that every commit stays cheap.
@@ -254,27 +257,46 @@ class StaticPolicy:
     def _claim(self, state: NodeState, workload: Workload) -> NodeState:
         """A container of an earmarked pod was created: its CPU limit is claimed, and the
         earmark keeps no more whole CPUs than the pod's containers could still ask for (the
-        rest returns to the shared pool).  Init containers claim nothing: kubelet's pod limit
-        is the larger of theirs and the app containers' sum, not the total; nor does a
-        restart (a name that claimed already)."""
+        rest returns to the shared pool).  A restart (a name that claimed already) claims
+        nothing more.  An init container's claim waits for the pod's first app container:
+        kubelet's pod limit is the larger of an init container's and the app containers' sum,
+        and counts an init container in that sum only when it runs on beside them (a sidecar,
+        a restartable init container: kubelet annotates both kinds "init")."""
         mark = state.earmarks.get(workload.pod_uid)
         name = workload.container_name
-        if mark is None or workload.kind == "init" or name in mark.claimants:
+        if mark is None or name in mark.claimants:
             return state
         used = workload.cpu_limit_milli or workload.cpu_request_milli
-        claimed = mark.claimed_milli + used
-        keep = max(0, (mark.limit_milli - claimed) // 1000)
         earmarks = dict(state.earmarks)
-        if keep:
-            # The lowest ids stay: the allocator chose them as one compact set.
-            cpus = CPUSet(sorted(mark.cpus)[:keep])
+        if workload.kind == "init":
+            deferred = (*mark.deferred, (workload.container_id, name, used))
+            earmarks[workload.pod_uid] = mark.evolve(deferred=deferred)
+            return state.evolve(earmarks=earmarks)
+        running = state.assignments.keys() | state.sharing.keys()
+        sidecars = [(n, milli) for cid, n, milli in mark.deferred if cid in running]
+        claimed = mark.claimed_milli + used + sum(milli for _, milli in sidecars)
+        claimants = (*mark.claimants, *(n for n, _ in sidecars), name)
+        keep = max(0, (mark.limit_milli - claimed) // 1000)
+        cpus = self._trimmed(mark.cpus, keep)
+        if cpus:
             earmarks[workload.pod_uid] = mark.evolve(
-                cpus=cpus, claimed_milli=claimed, claimants=(*mark.claimants, name)
+                cpus=cpus, claimed_milli=claimed, claimants=claimants, deferred=()
             )
         else:
             del earmarks[workload.pod_uid]
         new_state = state.evolve(earmarks=earmarks)
         return new_state.evolve(shared=self.shared_pool(new_state.exclusive))
+
+    def _trimmed(self, earmarked: CPUSet, keep: int) -> CPUSet:
+        """The ``keep`` CPUs of an earmark that stay earmarked, chosen from it by topology as
+        a request of that size would be (whole cores; ids alone would split them: a core's
+        threads are N and N+24 on a 48-thread part): as many as can be chosen so."""
+        for count in range(min(keep, len(earmarked)), 0, -1):
+            try:
+                return self.allocator.allocate(earmarked, count)
+            except AllocationError:
+                continue
+        return CPUSet()
 
     def _assign(
         self, state: NodeState, workload: Workload, cpus: CPUSet, nic: NICPreference | None = None
@@ -370,6 +392,54 @@ class StaticPolicy:
         nic: NICPreference | None = None,
         unavailable: CPUSet = EMPTY,
     ) -> tuple[CPUSet, str]:
+        """``count`` CPUs for an eligible container and why these: the first of its sources
+        (``_sources``) that has room, near its NICs when it has any."""
+        free, options = self._sources(state, workload, count, isolated, unavailable)
+        strict = nic is not None and bool(nic.nodes) and nic.strict
+        if nic is not None and nic.nodes:
+            options = self._near_nics(options, nic)
+        chosen, last_error = self._first_fit(options, free, count)
+        if chosen is not None:
+            return chosen
+        if strict and nic is not None:
+            raise self._no_room_near_nics(workload, count, isolated, free, nic)
+        pool = "isolated CPUs" if isolated else "CPUs"
+        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
+        raise PolicyError(
+            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
+            f"{free or 'none'} ({len(free)}): {reason}"
+        )
+
+    def _first_fit(
+        self, options: list[_Source], free: CPUSet, count: int
+    ) -> tuple[tuple[CPUSet, str] | None, AllocationError | None]:
+        """The CPUs of the first source with room and why; else None and the last
+        allocator error."""
+        last_error: AllocationError | None = None
+        for exact, cpus, why in options:
+            if exact:
+                if cpus <= free:
+                    return (cpus, why), None
+                continue
+            if len(cpus) < count and cpus is not free:
+                continue  # too small to try; the whole free pool is always tried (its error)
+            try:
+                return (self.allocator.allocate(cpus, count), why), None
+            except AllocationError as err:
+                last_error = err
+        return None, last_error
+
+    def _sources(
+        self,
+        state: NodeState,
+        workload: Workload,
+        count: int,
+        isolated: bool,
+        unavailable: CPUSet,
+    ) -> tuple[CPUSet, list[_Source]]:
+        """The free CPUs, and where a container's CPUs come from in order of preference: its
+        previous CPUs (a restart), its pod's earmark, its pod's finished init containers'
+        CPUs, then any free CPUs.  A source is (exact: the set itself or nothing, CPUs, why)."""
         free = self.free_exclusive(state, isolated) - unavailable
         mark = state.earmarks.get(workload.pod_uid)
         marked = mark.cpus - unavailable if mark is not None and not isolated else CPUSet()
@@ -382,8 +452,7 @@ class StaticPolicy:
                 if uid == workload.pod_uid and r.kind == "init"
             )
         )
-        # (exact set or pool to allocate from, why) in order of preference.
-        options: list[tuple[bool, CPUSet, str]] = []
+        options: list[_Source] = []
         if previous is not None and len(previous.cpus) == count:
             options.append((True, previous.cpus, "restarted container got its previous CPUs back"))
         if len(marked) >= count:
@@ -391,44 +460,31 @@ class StaticPolicy:
         if workload.kind != "init":
             options.append((False, reusable, "reused finished init containers' CPUs"))
         options.append((False, free, "allocated by topology"))
-        strict = False
-        if nic is not None and nic.nodes:
-            strict = nic.strict
-            near = self.node_cpus(nic.nodes)
-            where = f"next to its NICs on NUMA {nic.nodes}"
-            local = [
-                (exact, cpus if exact else cpus & near, f"{why}, {where}")
-                for exact, cpus, why in options
-                if not exact or cpus <= near
-            ]
-            options = local if strict else local + options
-        last_error: AllocationError | None = None
-        for exact, cpus, why in options:
-            if exact:
-                if cpus <= free:
-                    return cpus, why
-                continue
-            if len(cpus) < count and cpus is not free:
-                continue  # too small to try; the whole free pool is always tried (its error)
-            try:
-                return self.allocator.allocate(cpus, count), why
-            except AllocationError as err:
-                last_error = err
+        return free, options
+
+    def _near_nics(self, options: list[_Source], nic: NICPreference) -> list[_Source]:
+        """The sources narrowed to the NICs' NUMA nodes: instead of the others when locality
+        is strict, before them otherwise."""
+        near = self.node_cpus(nic.nodes)
+        where = f"next to its NICs on NUMA {nic.nodes}"
+        local = [
+            (exact, cpus if exact else cpus & near, f"{why}, {where}")
+            for exact, cpus, why in options
+            if not exact or cpus <= near
+        ]
+        return local if nic.strict else local + options
+
+    def _no_room_near_nics(
+        self, workload: Workload, count: int, isolated: bool, free: CPUSet, nic: NICPreference
+    ) -> PolicyError:
         pool = "isolated CPUs" if isolated else "CPUs"
-        if strict:
-            assert nic is not None
-            near_free = free & self.node_cpus(nic.nodes)
-            raise PolicyError(
-                f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
-                f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
-                f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
-                f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
-                "free CPUs on that node"
-            )
-        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
-        raise PolicyError(
-            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
-            f"{free or 'none'} ({len(free)}): {reason}"
+        near_free = free & self.node_cpus(nic.nodes)
+        return PolicyError(
+            f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
+            f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
+            f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
+            f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
+            "free CPUs on that node"
         )
 
     def node_cpus(self, nodes: Iterable[int]) -> CPUSet:

@@ -23,6 +23,10 @@ from .policy import Decision, StaticPolicy, describe
 from .state import Assignment, NodeState
 from .workload import Workload
 
+TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
+if TYPE_CHECKING:
+    from .topology import Topology
+
 
 def resize(
     policy: StaticPolicy, state: NodeState, workload: Workload, held: Assignment
@@ -76,30 +80,20 @@ def _grow(
     needed: int,
     isolated: bool,
 ) -> tuple[CPUSet, str]:
-    topo = policy.topology
+    """``needed`` more CPUs for an exclusive container, as close to what it holds as the
+    shared pool allows, and where they came from."""
     free = policy.free_exclusive(state, isolated)
     if held.nic_strict and held.nic_nodes:
         free &= policy.node_cpus(held.nic_nodes)
-    infos = [topo.by_id[cpu] for cpu in held.cpus]
-    siblings = CPUSet().union(*(topo.cores[i.core] for i in infos)) & free
+    topo = policy.topology
+    siblings = _groups_around(held.cpus, topo, "core", topo.cores) & free
     if len(siblings) >= needed:
         extra = policy.allocator.allocate(siblings, needed)
         if policy.shared_pool(state.exclusive | extra):
             return extra, "threads of its own cores"
-    llc = CPUSet().union(*(topo.llc_groups[i.l3] for i in infos))
-    numa = CPUSet().union(*(topo.numa_nodes[i.numa] for i in infos))
-    # Closest first.  An LLC group may be smaller than a NUMA node (EPYC) or span several
-    # (Intel SNC): its part within the container's NUMA node comes before both.
-    tiers = [
-        ("its LLC group", llc & numa),
-        ("its NUMA node", numa),
-        ("its LLC group, across NUMA nodes", llc),
-        ("its socket", CPUSet().union(*(topo.sockets[i.socket] for i in infos))),
-        ("another socket", topo.online),
-    ]
     # Its own cores' free threads first, whatever tier the rest comes from.
     first = siblings if len(siblings) < needed else CPUSet()
-    for where, tier in tiers:
+    for where, tier in _tiers(topo, held.cpus):
         candidates = (free & tier) - first
         if len(candidates) < needed - len(first):
             continue
@@ -116,6 +110,27 @@ def _grow(
         f"use: {free or 'none'} ({len(free)}), and the shared pool must keep a CPU: nothing "
         "changed; free CPUs or lower the request",
     )
+
+
+def _tiers(topo: Topology, cpus: CPUSet) -> list[tuple[str, CPUSet]]:
+    """Where a container holding ``cpus`` grows, closest first.  An LLC group may be smaller
+    than a NUMA node (EPYC) or span several (Intel SNC): its part within the container's NUMA
+    node comes before both."""
+    llc = _groups_around(cpus, topo, "l3", topo.llc_groups)
+    numa = _groups_around(cpus, topo, "numa", topo.numa_nodes)
+    return [
+        ("its LLC group", llc & numa),
+        ("its NUMA node", numa),
+        ("its LLC group, across NUMA nodes", llc),
+        ("its socket", _groups_around(cpus, topo, "socket", topo.sockets)),
+        ("another socket", topo.online),
+    ]
+
+
+def _groups_around(cpus: CPUSet, topo: Topology, kind: str, groups: dict[int, CPUSet]) -> CPUSet:
+    """Every CPU of the groups of one kind that ``cpus`` (online CPUs) belong to."""
+    ids = topo.group_ids(kind)
+    return CPUSet().union(*(groups[ids[cpu]] for cpu in cpus))
 
 
 def _shrink(policy: StaticPolicy, held: Assignment, count: int) -> Assignment:

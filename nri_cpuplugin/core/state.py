@@ -16,10 +16,10 @@ from ..base.errors import PluginError
 # CPython's built-in SHA-256 (the same digest): hashlib loads OpenSSL, ~2 ms of every start of
 # the OCI hook.
 try:
-    from _sha256 import sha256  # CPython 3.11
+    from _sha256 import sha256  # type: ignore[import-not-found]  # CPython 3.11
 except ImportError:  # pragma: no cover - other versions
     try:
-        from _sha2 import sha256  # CPython >= 3.12
+        from _sha2 import sha256  # type: ignore[import-not-found]  # CPython >= 3.12
     except ImportError:
         from hashlib import sha256
 from ..base.value import Value, cached_property
@@ -95,7 +95,10 @@ class Earmark(Value):
     ``claimed_milli`` what its containers created since have taken of it (``claimants``, by
     name: a restart claims nothing more): the earmark never keeps more whole CPUs than the
     difference, so what a pod cannot use goes back to the shared pool as its containers are
-    created."""
+    created.  ``deferred`` are the pod's init containers created so far, (id, name, limit):
+    kubelet's pod limit counts an init container only when it runs on beside the app
+    containers (a sidecar), so whether it claims is decided when the first app container
+    comes."""
 
     cpus: CPUSet
     sandbox_id: str
@@ -104,6 +107,7 @@ class Earmark(Value):
     claimants: tuple[str, ...] = ()
     pod_name: str = ""
     pod_namespace: str = ""
+    deferred: tuple[tuple[str, str, int], ...] = ()
 
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -202,25 +206,30 @@ def to_document(state: NodeState) -> dict[str, Any]:
         "cgroups": dict(sorted(state.cgroups.items())),
     }
     if state.earmarks:  # only when set: older documents keep their bytes and checksum
-        body["earmarks"] = {
-            uid: {
-                "cpus": str(e.cpus),
-                "sandbox_id": e.sandbox_id,
-                "limit_milli": e.limit_milli,
-                "claimed_milli": e.claimed_milli,
-                "claimants": list(e.claimants),
-                "pod_name": e.pod_name,
-                "pod_namespace": e.pod_namespace,
-            }
-            for uid, e in sorted(state.earmarks.items())
-        }
+        body["earmarks"] = {uid: _earmark_body(e) for uid, e in sorted(state.earmarks.items())}
     body["checksum"] = checksum(body)
+    return body
+
+
+def _earmark_body(e: Earmark) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "cpus": str(e.cpus),
+        "sandbox_id": e.sandbox_id,
+        "limit_milli": e.limit_milli,
+        "claimed_milli": e.claimed_milli,
+        "claimants": list(e.claimants),
+        "pod_name": e.pod_name,
+        "pod_namespace": e.pod_namespace,
+    }
+    if e.deferred:  # only when set: older documents keep their bytes and checksum
+        body["deferred"] = [list(entry) for entry in e.deferred]
     return body
 
 
 def checksum(body: Mapping[str, Any]) -> str:
     canonical = {k: v for k, v in body.items() if k != "checksum"}
-    return "sha256:" + sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    digest: str = sha256(jsonbytes.dumps(canonical, sort_keys=True)).hexdigest()
+    return "sha256:" + digest
 
 
 def encode(state: NodeState) -> bytes:
@@ -262,7 +271,7 @@ def decode(data: bytes) -> NodeState:
 
 
 def _kind(entry: Mapping) -> str:
-    kind = shape.string(entry, "kind")
+    kind: str = shape.string(entry, "kind")
     if kind not in CONTAINER_KINDS:
         raise ValueError(f"unknown container kind {kind!r}")
     return kind
@@ -301,7 +310,23 @@ def _earmark(uid: str, entry: Any) -> Earmark:
         claimants=tuple(shape.strings(entry.get("claimants", []), f"earmark of pod {uid!r}")),
         pod_name=shape.string(entry, "pod_name"),
         pod_namespace=shape.string(entry, "pod_namespace"),
+        deferred=tuple(_deferred(item, uid) for item in entry.get("deferred", [])),
     )
+
+
+def _deferred(item: Any, uid: str) -> tuple[str, str, int]:
+    """One deferred init container of an earmark: [container id, name, limit in millicores]."""
+    if (
+        not isinstance(item, list)
+        or len(item) != 3
+        or not all(isinstance(v, str) for v in item[:2])
+        or type(item[2]) is not int
+        or item[2] < 0
+    ):
+        raise TypeError(
+            f"earmark of pod {uid!r}: a deferred init container must be [id, name, millicores]"
+        )
+    return item[0], item[1], item[2]
 
 
 def _milli(entry: Mapping, key: str, uid: str) -> int:
@@ -329,22 +354,9 @@ def _strings(doc: Mapping, key: str) -> dict[str, str]:
 
 
 def _check_consistent(state: NodeState) -> None:
-    seen: dict[int, str] = {}
-    owed: dict[int, str] = {}
-    for cid, assignment in state.assignments.items():
-        if not assignment.cpus and not assignment.lost:
-            raise StateFormatError(f"assignment {cid!r} has no CPUs")
-        for cpu in assignment.cpus:
-            if cpu in seen:
-                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
-            seen[cpu] = cid
-        for cpu in assignment.lost:
-            if cpu in owed:
-                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
-            owed[cpu] = cid
-    for cpu, cid in owed.items():
-        if cpu in seen:
-            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    """No CPU in two places: held, owed, earmarked and shared are disjoint (owed ones may be
+    shared meanwhile), and the shared pool has a CPU."""
+    seen, owed = _held_and_owed(state)
     for uid, earmark in state.earmarks.items():
         if not earmark.cpus:
             raise StateFormatError(f"the earmark of pod {uid!r} has no CPUs")
@@ -361,3 +373,25 @@ def _check_consistent(state: NodeState) -> None:
         raise StateFormatError(f"CPUs {overlap} are both shared and held or earmarked")
     if not state.shared:
         raise StateFormatError("the shared pool is empty")
+
+
+def _held_and_owed(state: NodeState) -> tuple[dict[int, str], dict[int, str]]:
+    """Which container holds each assigned CPU, and which is owed each lost one: each CPU
+    in one place only."""
+    seen: dict[int, str] = {}
+    owed: dict[int, str] = {}
+    for cid, assignment in state.assignments.items():
+        if not assignment.cpus and not assignment.lost:
+            raise StateFormatError(f"assignment {cid!r} has no CPUs")
+        for cpu in assignment.cpus:
+            if cpu in seen:
+                raise StateFormatError(f"CPU {cpu} is assigned to both {seen[cpu]!r} and {cid!r}")
+            seen[cpu] = cid
+        for cpu in assignment.lost:
+            if cpu in owed:
+                raise StateFormatError(f"lost CPU {cpu} is owed to both {owed[cpu]!r} and {cid!r}")
+            owed[cpu] = cid
+    for cpu, cid in owed.items():
+        if cpu in seen:
+            raise StateFormatError(f"CPU {cpu} is held by {seen[cpu]!r} and owed to {cid!r}")
+    return seen, owed

@@ -98,6 +98,11 @@ class Topology(Value):
                 groups.setdefault(getattr(cpu, attr), set()).add(cpu.id)
         return {key: CPUSet(members) for key, members in sorted(groups.items())}
 
+    def group_ids(self, kind: str) -> dict[int, int]:
+        """Each online CPU's id of one kind of group ("socket", "die", "numa", "l3", "core");
+        online CPUs have them all (checked when the topology is made)."""
+        return {cpu.id: getattr(cpu, kind) for cpu in self.cpus if cpu.online}
+
     @cached_property
     def sockets(self) -> dict[int, CPUSet]:
         return self._group("socket")
@@ -121,10 +126,15 @@ class Topology(Value):
 
     def numa_of(self, cpus: CPUSet) -> CPUSet:
         """NUMA node ids of the given CPUs (suitable for cpuset.mems)."""
-        return CPUSet(self.by_id[c].numa for c in cpus if c in self.by_id and self.by_id[c].online)
+        infos = [self.by_id.get(cpu) for cpu in cpus]
+        return CPUSet(info.numa for info in infos if info and info.online and info.numa is not None)
 
     def siblings(self, cpu: int) -> CPUSet:
-        return self.cores[self.by_id[cpu].core]
+        """The online CPUs of ``cpu``'s physical core (KeyError for an offline or unknown CPU)."""
+        core = self.by_id[cpu].core
+        if core is None:
+            raise KeyError(cpu)
+        return self.cores[core]
 
     def fingerprint(self) -> str:
         """Identifies the CPU layout: a state file from a different layout must not be trusted."""
@@ -149,7 +159,7 @@ class Topology(Value):
             try:
                 cpus.append(
                     CPUInfo(
-                        id=_int_field(entry, "id", index, nullable=False, maximum=MAX_CPU_ID),
+                        id=_id_field(entry, "id", index, maximum=MAX_CPU_ID),
                         socket=_int_field(entry, "socket", index),
                         die=_int_field(entry, "die", index),
                         numa=_int_field(entry, "numa", index, maximum=MAX_CPU_ID),
@@ -164,16 +174,16 @@ class Topology(Value):
         return cls(tuple(sorted(cpus, key=lambda c: c.id)))
 
 
-def _int_field(
-    entry: dict, key: str, index: int, nullable: bool = True, maximum: int | None = None
-) -> int | None:
+def _int_field(entry: dict, key: str, index: int, maximum: int | None = None) -> int | None:
+    """A group id of a CPU: None (an offline CPU's) or a bounded non-negative integer."""
+    return None if entry[key] is None else _id_field(entry, key, index, maximum)
 
+
+def _id_field(entry: dict, key: str, index: int, maximum: int | None = None) -> int:
     # ids, NUMA nodes, cores and l3 groups end up in CPUSets (all_cpus, numa_of), which reject
     # values above MAX_CPU_ID with a ValueError; bound them here so a bad document fails at load
     # with a TopologyError naming the field instead of later, elsewhere.
     value = entry[key]
-    if value is None and nullable:
-        return None
     if (
         not isinstance(value, int)
         or isinstance(value, bool)
@@ -204,14 +214,20 @@ def _read(path: Path) -> str | None:
         raise TopologyError(f"cannot read {path}: {err.strerror}") from err
 
 
-def _read_cpulist(path: Path, default: CPUSet | None = None) -> CPUSet | None:
+def _read_cpulist(path: Path) -> CPUSet | None:
+    """The CPUs a sysfs file lists, or None when there is no such file."""
     text = _read(path)
     if text is None:
-        return default
+        return None
     try:
         return CPUSet.parse(text)
     except ValueError as err:
         raise TopologyError(f"{path}: {err}") from err
+
+
+def _cpulist_or(path: Path, default: CPUSet) -> CPUSet:
+    found = _read_cpulist(path)
+    return default if found is None else found
 
 
 def _read_int(path: Path) -> int | None:
@@ -230,62 +246,75 @@ def discover(sysfs: str | os.PathLike[str] = DEFAULT_SYSFS) -> Topology:
 
     root = Path(sysfs)
     cpu_dir = root / "devices/system/cpu"
+    online, offline, isolated = _cpu_sets(root, cpu_dir)
+    numa_of = _numa_map(root, online)
+    groups = {
+        cpu: _socket_die_core(cpu_dir / f"cpu{cpu}" / "topology", cpu, online)
+        for cpu in sorted(online)
+    }
+    socket_first_cpu: dict[int, int] = {}
+    for cpu, (socket, _die, _core) in groups.items():
+        socket_first_cpu.setdefault(socket, cpu)
+    infos = [
+        CPUInfo(
+            id=cpu,
+            socket=socket,
+            die=die,
+            numa=numa_of.get(cpu, 0),
+            l3=_llc_group(cpu_dir / f"cpu{cpu}" / "cache", cpu, online, socket_first_cpu[socket]),
+            core=core,
+            online=True,
+            isolated=cpu in isolated,
+        )
+        for cpu, (socket, die, core) in groups.items()
+    ]
+    infos.extend(
+        CPUInfo(cpu, None, None, None, None, None, online=False, isolated=cpu in isolated)
+        for cpu in sorted(offline)
+    )
+    return Topology(tuple(sorted(infos, key=lambda c: c.id)))
+
+
+def _cpu_sets(root: Path, cpu_dir: Path) -> tuple[CPUSet, CPUSet, CPUSet]:
+    """The online, offline and isolated CPUs."""
     online = _read_cpulist(cpu_dir / "online")
     if online is None:
         raise TopologyError(
             f"{cpu_dir / 'online'} not found: is {root} a sysfs root? (use --sysfs to choose one)"
         )
-    offline = _read_cpulist(cpu_dir / "offline", CPUSet())
-    present = _read_cpulist(cpu_dir / "present", online)
+    offline = _cpulist_or(cpu_dir / "offline", CPUSet())
+    present = _cpulist_or(cpu_dir / "present", online)
     # "offline" also lists ids beyond the present CPUs (up to NR_CPUS); keep only real CPUs.
     offline = (offline & present) - online
     # isolated may hold a placeholder on some kernels; unparsable means "none".
     try:
-        isolated = _read_cpulist(cpu_dir / "isolated", CPUSet())
+        isolated = _cpulist_or(cpu_dir / "isolated", CPUSet())
     except TopologyError:
         isolated = CPUSet()
+    return online, offline, isolated
 
-    numa_of = _numa_map(root, online)
-    infos: list[CPUInfo] = []
-    for cpu in sorted(online):
-        topo = cpu_dir / f"cpu{cpu}" / "topology"
-        socket = _read_int(topo / "physical_package_id")
-        socket = 0 if socket is None or socket < 0 else socket
-        die = _read_int(topo / "die_id")
-        die = 0 if die is None or die < 0 else die
-        core_cpus = (
-            _read_cpulist(topo / "core_cpus_list")
-            or _read_cpulist(topo / "thread_siblings_list")
-            or CPUSet([cpu])
-        )
-        core_cpus &= online
-        infos.append(
-            CPUInfo(
-                id=cpu,
-                socket=socket,
-                die=die,
-                numa=numa_of.get(cpu, 0),
-                l3=None,  # filled below, once sockets are known for the fallback
-                core=min(core_cpus | {cpu}),
-                online=True,
-                isolated=cpu in isolated,
-            )
-        )
-    socket_first_cpu: dict[int, int] = {}
-    for info in infos:
-        socket_first_cpu.setdefault(info.socket, info.id)
-    resolved = []
-    for info in infos:
-        llc = _llc_cpus(cpu_dir / f"cpu{info.id}" / "cache")
-        l3 = min((llc & online) | {info.id}) if llc is not None else socket_first_cpu[info.socket]
-        resolved.append(
-            CPUInfo(info.id, info.socket, info.die, info.numa, l3, info.core, True, info.isolated)
-        )
-    resolved.extend(
-        CPUInfo(cpu, None, None, None, None, None, online=False, isolated=cpu in isolated)
-        for cpu in sorted(offline)
+
+def _socket_die_core(topo: Path, cpu: int, online: CPUSet) -> tuple[int, int, int]:
+    """An online CPU's socket and die ids (0 when the kernel has none) and its core group."""
+    socket = _read_int(topo / "physical_package_id")
+    die = _read_int(topo / "die_id")
+    core_cpus = (
+        _read_cpulist(topo / "core_cpus_list")
+        or _read_cpulist(topo / "thread_siblings_list")
+        or CPUSet([cpu])
     )
-    return Topology(tuple(sorted(resolved, key=lambda c: c.id)))
+    return (
+        0 if socket is None or socket < 0 else socket,
+        0 if die is None or die < 0 else die,
+        min((core_cpus & online) | {cpu}),
+    )
+
+
+def _llc_group(cache_dir: Path, cpu: int, online: CPUSet, socket_group: int) -> int:
+    """The lowest online CPU sharing this CPU's level-3 cache; a CPU without one counts its
+    socket as its LLC group."""
+    llc = _llc_cpus(cache_dir)
+    return socket_group if llc is None else min((llc & online) | {cpu})
 
 
 def _numa_map(root: Path, online: CPUSet) -> dict[int, int]:
@@ -297,7 +326,7 @@ def _numa_map(root: Path, online: CPUSet) -> dict[int, int]:
             name = entry.name
             if not (name.startswith("node") and name[4:].isdigit()):
                 continue
-            for cpu in _read_cpulist(entry / "cpulist", CPUSet()) or ():
+            for cpu in _cpulist_or(entry / "cpulist", CPUSet()):
                 mapping[cpu] = int(name[4:])
     return mapping
 

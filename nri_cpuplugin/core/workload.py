@@ -22,6 +22,11 @@ BURSTABLE = "burstable"
 BESTEFFORT = "besteffort"
 QOS_CLASSES = (GUARANTEED, BURSTABLE, BESTEFFORT)
 
+# kubelet annotates each container with its kind in the pod spec: "init" (init containers,
+# sidecars among them), "container", "ephemeral" (pkg/kubelet/kuberuntime/labels.go).  Older
+# kubelets do not; such containers count as app containers.
+CONTAINER_TYPE = "io.kubernetes.container.type"
+
 # kubelet: shares = millicores * 1024 / 1000, never below 2 (pkg/kubelet/cm/helpers_linux.go).
 SHARES_PER_CPU = 1024
 MIN_SHARES = 2
@@ -89,6 +94,11 @@ def millicores_from_quota(quota: int | None, period: int | None) -> int | None:
     return quota * 1000 // period
 
 
+def kind_of(annotations: Mapping[str, str]) -> str:
+    """The Workload kind kubelet's container annotations say (see CONTAINER_TYPE)."""
+    return "init" if annotations.get(CONTAINER_TYPE) == "init" else "app"
+
+
 def _optional(message: object, field: str) -> int | None:
     """Value of an NRI Optional* wrapper field: None when the wrapper is absent."""
     return getattr(message, field).value if message.HasField(field) else None  # type: ignore[attr-defined]
@@ -119,5 +129,6 @@ def from_nri(pod: object, container: object) -> Workload:
         cpu_request_milli=millicores_from_shares(shares) if shares else 0,
         cpu_limit_milli=millicores_from_quota(_optional(cpu, "quota"), _optional(cpu, "period")),
         annotations=annotations,
+        kind=kind_of(container.annotations),  # type: ignore[attr-defined]
         cgroup_path=container.linux.cgroups_path,  # type: ignore[attr-defined]
     )

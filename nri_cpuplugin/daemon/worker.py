@@ -18,28 +18,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .progress import DECIDING, QUEUED, Abandoned
+
 log = logging.getLogger("nri_cpuplugin")
 
 # How long a handler blocks the event loop for its job before awaiting it instead: far above
 # a normal job (about a millisecond), so the cheaper blocking hand-off serves nearly all.
 FAST_WAIT = 0.02
 
-# What a job is doing: its phase, and so the REASON of a deadline miss.
-QUEUED = "queued"  # behind another job (the miss is then reported with that job's phase)
-DECIDING = "deciding"
-STATE_LOCK = "state-lock"
-COMMIT = "commit"
-NIC = "nic"
-CGROUPS = "cgroup-writes"  # the shared containers' cgroups, before a creation's answer
-
 # How the runtime was answered when the budget ran out first.
 ERROR = "error"  # the operation failed: nothing the job decides may stay in force
 FALLBACK = "fallback"  # answered as well as could be without the job: the job's result stands
-
-
-class Abandoned(Exception):
-    """Raised in the worker instead of going on with a job whose request was already answered
-    with an error: the runtime is not creating (or resizing) that container after all."""
 
 
 class Job:
@@ -53,13 +42,11 @@ class Job:
         "_finished",
         "_lock",
         "_waiter",
-        "after",
         "answer",
+        "answered",
         "answered_at",
-        "answered_cpus",
         "args",
         "awaited",
-        "before",
         "deciding",
         "delivered",
         "done",
@@ -99,13 +86,9 @@ class Job:
         self.error: BaseException | None = None
         self.late: Callable[[Job], None] | None = None
         self.answer = ""
+        self.answered: Any = None  # the reply the request got without the job
         self.answered_at = 0.0
-        self.answered_cpus = ""  # a shared creation answered with the pool: which CPUs
         self.subject = name  # what the request was about, for the audit trail
-        # A creation's or a resize's: the state as it began, which an error answer keeps, and
-        # (a resize's) the state it left.
-        self.before: Any = None
-        self.after: Any = None
         self._lock = _thread.allocate_lock()
         self._finished = False
         self._waiter: asyncio.Future[bool] | None = None
@@ -238,7 +221,7 @@ class Worker:
 
     def _pin(self, cpu: int | None) -> None:
         """Keep the thread to ``cpu``; None: to the loop's CPUs."""
-        assert self._thread is not None
+        assert self._thread is not None and self._thread.native_id is not None
         try:
             cpus = os.sched_getaffinity(0) if cpu is None else (cpu,)
             os.sched_setaffinity(self._thread.native_id, cpus)
@@ -255,7 +238,8 @@ class Worker:
 
     @contextlib.contextmanager
     def phase(self, phase: str) -> Iterator[None]:
-        """The running job waits for ``phase`` meanwhile (when called on the worker thread)."""
+        """The running job waits for ``phase`` meanwhile (when called on the worker thread):
+        daemon/progress.py."""
         job = self.job_here()
         if job is None:
             yield
@@ -265,6 +249,13 @@ class Worker:
             yield
         finally:
             job.phase = DECIDING
+
+    def check(self) -> None:
+        """Raise Abandoned when the running job's request was answered with an error (when
+        called on the worker thread): daemon/progress.py."""
+        job = self.job_here()
+        if job is not None:
+            job.abandoned_check()
 
     def deliver(self, result: Any) -> bool:
         """Called by the running job: hand ``result`` to its handler now and go on with the
@@ -331,7 +322,7 @@ class Worker:
         if done:
             return True
         # Slow: free the event loop (metrics, the runtime's replies, hotplug) meanwhile.
-        waiter = job.loop.create_future()
+        waiter: asyncio.Future[bool] = job.loop.create_future()
         if not job._wait_with(waiter):
             return True
         timer = None

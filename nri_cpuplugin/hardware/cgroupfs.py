@@ -422,25 +422,43 @@ def parent_mems(fs: CgroupFS, path: str) -> CPUSet:
 
 
 def _apply(tx: Transaction, path: str, name: str, target: CPUSet) -> bool:
-    fs = tx.fs
-    v2 = fs.layout.version == V2
+    """Write ``name`` (cpuset.cpus or cpuset.mems) of container cgroup ``path``: its ancestors
+    grown, its subtree set, and on v2 what the kernel applied checked.  Whether anything was
+    written."""
     parts = split_path(path)
     if not parts:
         raise CgroupError("refusing to write the root cgroup")
+    changed = _grow_ancestors(tx, parts, name, target)
+    changed |= _set_subtree(tx, path, name, target)
+    if tx.fs.layout.version == V2:
+        _check_applied(tx.fs, path, name, target)
+    return changed
+
+
+def _grow_ancestors(tx: Transaction, parts: tuple[str, ...], name: str, target: CPUSet) -> bool:
+    """Step 1: ancestors, top-down, grown where they lack part of the target.  In v2 an empty
+    value means "inherit", which already contains whatever the parent has."""
+    fs = tx.fs
+    v2 = fs.layout.version == V2
     changed = False
-    # 1. Ancestors, top-down, grown where they lack part of the target.  In v2 an empty value
-    #    means "inherit", which already contains whatever the parent has.
     for depth in range(1, len(parts)):
         ancestor = join(parts[:depth])
         current = _parse(fs.read("cpuset", ancestor, name), ancestor, name)
         if (current or not v2) and not target <= current:
             tx.write("cpuset", ancestor, name, str(current | target))
             changed = True
-    # 2. The container's subtree: grow top-down where needed, then shrink bottom-up, so that
-    #    every intermediate state satisfies v1's child ⊆ parent.  Usually the subtree is the
-    #    container alone, and this is a single write.
+    return changed
+
+
+def _set_subtree(tx: Transaction, path: str, name: str, target: CPUSet) -> bool:
+    """Step 2: the container's subtree: grown top-down where needed, then shrunk bottom-up,
+    so that every intermediate state satisfies v1's child ⊆ parent.  Usually the subtree is
+    the container alone, and this is a single write."""
+    fs = tx.fs
+    v2 = fs.layout.version == V2
     subtree = fs.subtree("cpuset", path)
     values = {p: _parse(fs.read("cpuset", p, name), p, name) for p in subtree}
+    changed = False
     if len(subtree) > 1 and not v2:
         for node in subtree:
             if not target <= values[node]:
@@ -453,17 +471,19 @@ def _apply(tx: Transaction, path: str, name: str, target: CPUSet) -> bool:
         if values[node] != target:
             tx.write("cpuset", node, name, str(target))
             changed = True
-    # 3. v2 never refuses a write; it just applies something else.  Check what it applied.
-    if v2:
-        effective = f"{name}.effective"
-        applied = _parse(fs.read("cpuset", path, effective), path, effective)
-        if applied != target:
-            raise CgroupError(
-                f"cgroup {path}: wrote {name}={target or '(empty)'} but the kernel applied "
-                f"{applied or '(empty)'} ({effective}); an ancestor does not offer those "
-                f"{'CPUs' if name.endswith('cpus') else 'memory nodes'}"
-            )
     return changed
+
+
+def _check_applied(fs: CgroupFS, path: str, name: str, target: CPUSet) -> None:
+    """Step 3, v2: it never refuses a write; it just applies something else."""
+    effective = f"{name}.effective"
+    applied = _parse(fs.read("cpuset", path, effective), path, effective)
+    if applied != target:
+        raise CgroupError(
+            f"cgroup {path}: wrote {name}={target or '(empty)'} but the kernel applied "
+            f"{applied or '(empty)'} ({effective}); an ancestor does not offer those "
+            f"{'CPUs' if name.endswith('cpus') else 'memory nodes'}"
+        )
 
 
 # --- CFS quota -------------------------------------------------------------------------------

@@ -27,13 +27,26 @@ def cgroup_path(runtime_path: str) -> str:
     if runtime_path.count(":") != 2 or runtime_path.startswith("/"):
         return runtime_path
     slice_name, prefix, name = runtime_path.split(":")
-    parts = []
-    if slice_name and slice_name != "-.slice":
-        stem = slice_name.removesuffix(SYSTEMD_SUFFIX)
-        pieces = stem.split("-")
-        parts = ["-".join(pieces[: i + 1]) + SYSTEMD_SUFFIX for i in range(len(pieces))]
     unit = f"{prefix}-{name}.scope" if prefix else f"{name}.scope"
-    return "/" + "/".join([*parts, unit])
+    return "/" + "/".join([*_slices(slice_name), unit])
+
+
+def pod_cgroup_path(cgroup_parent: str) -> str:
+    """The cgroup path of a pod, from its sandbox's cgroup parent: a path (cgroupfs driver) or
+    a slice name (systemd driver: ``kubepods-pod1.slice`` is ``/kubepods.slice/kubepods-pod1
+    .slice``)."""
+    if cgroup_parent.startswith("/") or not cgroup_parent.endswith(SYSTEMD_SUFFIX):
+        return cgroup_parent
+    return "/" + "/".join(_slices(cgroup_parent))
+
+
+def _slices(slice_name: str) -> list[str]:
+    """A slice and every slice above it, outermost first (the root slice ``-.slice`` is the
+    hierarchy's root)."""
+    if not slice_name or slice_name == "-.slice":
+        return []
+    pieces = slice_name.removesuffix(SYSTEMD_SUFFIX).split("-")
+    return ["-".join(pieces[: i + 1]) + SYSTEMD_SUFFIX for i in range(len(pieces))]
 
 
 class Liveness:
@@ -65,6 +78,20 @@ class Liveness:
                 return fs.cpus(cgroup_path(runtime_path))
         except cgroupfs.CgroupError:
             return None
+
+    def pod_gone(self, cgroup_parent: str) -> bool:
+        """Whether the pod's cgroup is gone (kubelet removes it with the pod); False when that
+        cannot be told."""
+        layout = self.layout() if cgroup_parent else None
+        if layout is None:
+            return False
+        try:
+            path = pod_cgroup_path(cgroup_parent)
+            cgroupfs.split_path(path)
+            with cgroupfs.CgroupFS(layout) as fs:
+                return not fs.exists("cpuset", path)
+        except cgroupfs.CgroupError:
+            return False
 
     def alive(self, runtime_path: str) -> bool | None:
         """True/False when the cgroup says so; None when it cannot be told (no path, odd

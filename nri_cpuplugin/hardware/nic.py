@@ -44,7 +44,7 @@ from . import rtnetlink
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
-    import socket
+    import _socket
     from collections.abc import Iterable, Mapping
     from typing import Any
 
@@ -171,21 +171,15 @@ def _libc() -> Any:
     class Function(_ctypes.CFuncPtr):  # returns a C int, as CDLL's functions do by default
         _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
 
-    libc = SimpleNamespace(_handle=_ctypes.dlopen(None, _ctypes.RTLD_LOCAL))  # CDLL's handle
-    libc.setns = Function(("setns", libc))
+    # (dlopen(None) is the program itself; typeshed asks for a CDLL where any object with a
+    # _handle will do.)
+    libc = SimpleNamespace(_handle=_ctypes.dlopen(None, _ctypes.RTLD_LOCAL))  # type: ignore[arg-type]
+    libc.setns = Function(("setns", libc))  # type: ignore[arg-type]
     return libc
 
 
-def netlink_socket(netns: str | None) -> socket.socket:
-    """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
-    # The C cores of socket and threading: the OCI hook gets here for every exclusive container
-    # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
-    import _socket
-    import _thread
-
-    flags = _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC
-    if netns is None:
-        return _socket.socket(_socket.AF_NETLINK, flags, 0)
+def _open_netns(netns: str) -> int:
+    """A descriptor of the network namespace file ``netns``."""
     try:
         # No O_CREAT, ever: attach to what exists or fail.  Never block (a FIFO planted there)
         # and never open a device: a namespace file is a regular file of the nsfs.
@@ -197,6 +191,20 @@ def netlink_socket(netns: str | None) -> socket.socket:
     if not stat.S_ISREG(os.fstat(ns_fd).st_mode):
         os.close(ns_fd)
         raise NICError(f"{netns} is not a network namespace (not a regular file)")
+    return ns_fd
+
+
+def netlink_socket(netns: str | None) -> _socket.socket:
+    """A NETLINK_ROUTE socket in ``netns`` (a path; None: our own namespace)."""
+    # The C cores of socket and threading: the OCI hook gets here for every exclusive container
+    # of a pod with a network namespace, and importing the full modules costs it ~2 ms.
+    import _socket
+    import _thread
+
+    flags = _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC
+    if netns is None:
+        return _socket.socket(_socket.AF_NETLINK, flags, 0)
+    ns_fd = _open_netns(netns)
     result: dict[str, Any] = {}
 
     def enter() -> None:
@@ -235,7 +243,8 @@ def netlink_socket(netns: str | None) -> socket.socket:
         os.close(ns_fd)
     if "error" in result:
         raise result["error"]
-    return result["sock"]
+    sock: _socket.socket = result["sock"]
+    return sock
 
 
 def _errno() -> int:
@@ -244,7 +253,7 @@ def _errno() -> int:
     return _ctypes.get_errno()
 
 
-def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
+def _request(sock: _socket.socket, request: bytes, seq: int) -> list[rtnetlink.Message]:
     """Send one request, return the answers (all parts of a dump)."""
     sock.settimeout(NETLINK_TIMEOUT)
     sock.send(request)
@@ -272,11 +281,11 @@ def _request(sock: socket.socket, request: bytes, seq: int) -> list[rtnetlink.Me
                 return answers
 
 
-def _links(sock: socket.socket) -> list[rtnetlink.Message]:
+def _links(sock: _socket.socket) -> list[rtnetlink.Message]:
     return _request(sock, rtnetlink.get_links(1), 1)
 
 
-def _link_by_index(sock: socket.socket, index: int) -> rtnetlink.Message | None:
+def _link_by_index(sock: _socket.socket, index: int) -> rtnetlink.Message | None:
     try:
         answers = _request(sock, rtnetlink.get_link(3, index), 3)
     except NICError:
@@ -284,7 +293,7 @@ def _link_by_index(sock: socket.socket, index: int) -> rtnetlink.Message | None:
     return answers[0] if answers else None
 
 
-def _nsid_of_own_netns(sock: socket.socket) -> int | None:
+def _nsid_of_own_netns(sock: _socket.socket) -> int | None:
     """The id under which the namespace behind ``sock`` knows *our* network namespace."""
     fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -344,19 +353,26 @@ def list_links(netns: str | None) -> tuple[list[Link], dict[int, Link] | None]:
         own_id = _nsid_of_own_netns(sock)
     finally:
         sock.close()
-    wanted = {x.lower for x in stacked if own_id is not None and x.lower_nsid == own_id}
-    if not wanted:
-        return links, None
+    wanted = {
+        x.lower
+        for x in stacked
+        if x.lower is not None and own_id is not None and x.lower_nsid == own_id
+    }
+    return links, (_own_links(sorted(wanted)) if wanted else None)
+
+
+def _own_links(indexes: list[int]) -> dict[int, Link]:
+    """The links of our own namespace with these indexes (those that still exist)."""
     own: dict[int, Link] = {}
     sock = netlink_socket(None)
     try:
-        for index in sorted(i for i in wanted if i is not None):
+        for index in indexes:
             msg = _link_by_index(sock, index)
             if msg is not None:
                 own[index] = _link(msg)
     finally:
         sock.close()
-    return links, own
+    return own
 
 
 # --- sysfs ----------------------------------------------------------------------------------
@@ -459,18 +475,27 @@ def locality(
                 f"NIC locality is strict but the interfaces in {where} cannot be read: {err}"
             ) from None
         return Locality(None, (), f"no NIC preference: cannot inspect {where}: {err}")
-    nics = resolve(links, own, sysfs, topology)
-    if asked.names is not None:
-        by_name = {nic.name: nic for nic in nics}
-        missing = [n for n in asked.names if n not in by_name]
-        if missing and asked.mode == "strict":
-            raise PolicyError(
-                f"NIC locality is strict but {', '.join(missing)} not found in {where} "
-                f"(has: {', '.join(sorted(by_name)) or 'nothing'})"
-            )
-        nics = [by_name[n] for n in asked.names if n in by_name]
-    else:
-        nics = [nic for nic in nics if nic.device]  # virtual interfaces say nothing
+    nics = _chosen(resolve(links, own, sysfs, topology), asked, where)
+    return _preference(nics, asked.mode == "strict", where, topology)
+
+
+def _chosen(nics: list[NIC], asked: Request, where: str) -> list[NIC]:
+    """The NICs the annotation names (all of them when strict), or every NIC with a device:
+    virtual interfaces say nothing."""
+    if asked.names is None:
+        return [nic for nic in nics if nic.device]
+    by_name = {nic.name: nic for nic in nics}
+    missing = [n for n in asked.names if n not in by_name]
+    if missing and asked.mode == "strict":
+        raise PolicyError(
+            f"NIC locality is strict but {', '.join(missing)} not found in {where} "
+            f"(has: {', '.join(sorted(by_name)) or 'nothing'})"
+        )
+    return [by_name[n] for n in asked.names if n in by_name]
+
+
+def _preference(nics: list[NIC], strict: bool, where: str, topology: Topology | None) -> Locality:
+    """The NUMA nodes of ``nics`` as a preference (none when they say nothing)."""
     nodes = CPUSet(nic.numa for nic in nics if nic.numa is not None)
     if topology is not None:
         nodes &= CPUSet(topology.numa_nodes)
@@ -484,7 +509,6 @@ def locality(
             tuple(nics),
             f"no NIC preference in {where}: {'; '.join(described)}",
         )
-    strict = asked.mode == "strict"
     return Locality(
         NICPreference(nodes, strict, described),
         tuple(nics),

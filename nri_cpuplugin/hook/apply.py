@@ -25,11 +25,41 @@ def apply_targets(
     current: Workload | None,
     fault: Callable[[str], None],
     was_exclusive: Collection[str] = (),
-) -> list[str]:
+) -> tuple[list[str], list[tuple[Record, Target]]]:
     """Bring every live container's cgroups in line with ``state``: CPUs taken away first,
     then CPUs given, the new container last.  One transaction: all or nothing.  Returns
-    one line per cgroup written.  ``was_exclusive``: containers that held exclusive CPUs
-    before this run; those now shared get their parent's memory nodes back."""
+    one line per cgroup written, and what was written where (for systemd: hook/units.py).
+    ``was_exclusive``: containers that held exclusive CPUs before this run; those now shared
+    get their parent's memory nodes back."""
+    plan = _plan(engine, state, targets, requested, was_exclusive)
+    current_id = current.container_id if current is not None else None
+    others = [p for p in plan if p[1].container_id != current_id]
+    mine = [p for p in plan if p[1].container_id == current_id]
+    # CPUs are taken away before they are given, so no CPU is ever in more places than
+    # it already was.
+    others.sort(
+        key=lambda p: (
+            not (requested.get(p[1].container_id, CPUSet()) - p[1].cpus),
+            p[1].container_id,
+        )
+    )
+    tx = Transaction(fs)
+    written = _write(tx, others, current_id)
+    fault("shared-written")
+    written += _write(tx, mine, current_id)
+    if current is not None:
+        fault("container-written")
+    return written, plan
+
+
+def _plan(
+    engine: Engine,
+    state: NodeState,
+    targets: Mapping[str, Record],
+    requested: Mapping[str, CPUSet],
+    was_exclusive: Collection[str],
+) -> list[tuple[Record, Target]]:
+    """The containers whose cgroups must be written, and with what."""
     plan: list[tuple[Record, Target]] = []
     for cid, record in targets.items():
         if cid not in state.assignments and cid not in state.sharing:
@@ -45,40 +75,28 @@ def apply_targets(
             or requested.get(cid) != target.cpus
         ):
             plan.append((record, target))
-    current_id = current.container_id if current is not None else None
-    others = [p for p in plan if p[1].container_id != current_id]
-    mine = [p for p in plan if p[1].container_id == current_id]
-    # CPUs are taken away before they are given, so no CPU is ever in more places than
-    # it already was.
-    others.sort(
-        key=lambda p: (
-            not (requested.get(p[1].container_id, CPUSet()) - p[1].cpus),
-            p[1].container_id,
-        )
-    )
+    return plan
+
+
+def _write(tx: Transaction, plan: list[tuple[Record, Target]], current_id: str | None) -> list[str]:
+    """Write ``plan`` in order; on a failure every write of ``tx`` is undone (CgroupError)."""
     written: list[str] = []
-    tx = Transaction(fs)
-    for step in (others, mine):
-        for record, target in step:
-            cid = target.container_id
-            try:
-                if _place(tx, record, target):
-                    written.append(f"{cid[:12]}={target.cpus}")
-            except CgroupError as err:
-                # A sibling exiting right now must not fail this container (as the NRI
-                # path's ignore_failure); the next run finds it stale.
-                if cid != current_id and not _still_running(fs, record):
-                    continue
-                undone = len(tx.done)
-                failed = tx.rollback()
-                message = f"{err}; rolled back {undone} earlier cgroup writes"
-                if failed:
-                    message += f", {len(failed)} of which failed: {'; '.join(failed)}"
-                raise CgroupError(message) from None
-        if step is others:
-            fault("shared-written")
-        elif current is not None:
-            fault("container-written")
+    for record, target in plan:
+        cid = target.container_id
+        try:
+            if _place(tx, record, target):
+                written.append(f"{cid[:12]}={target.cpus}")
+        except CgroupError as err:
+            # A sibling exiting right now must not fail this container (as the NRI
+            # path's ignore_failure); the next run finds it stale.
+            if cid != current_id and not _still_running(tx.fs, record):
+                continue
+            undone = len(tx.done)
+            failed = tx.rollback()
+            message = f"{err}; rolled back {undone} earlier cgroup writes"
+            if failed:
+                message += f", {len(failed)} of which failed: {'; '.join(failed)}"
+            raise CgroupError(message) from None
     return written
 
 

@@ -139,6 +139,9 @@ createRuntime, stopped -> poststop).  Also run as `nri-cpuplugin hook`.
   --cgroup-root DIR        cgroup mount root (/sys/fs/cgroup; v1 or v2)
   --lock-timeout SECONDS   longest wait for the state lock (10; 0: fail at once when it
                            is held); keep it well below the hook's timeout
+
+Exit status: 0 placed, released or left alone; 1 refused, or the state or the cgroups
+could not be written; 2 bad input or configuration.
 """
 # The hook parses its few options itself: argparse and the CLI's parser cost more start-up
 # time than the rest of the hook's own code (docs/benchmarks.md, "OCI hook").
@@ -167,9 +170,10 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, str]] | None:
             if flag not in FLAGS:
                 raise UsageError(f"unknown option {flag}; options: {', '.join(FLAGS)}")
             if not has_value:
-                value = next(args, None)
-                if value is None or value.startswith("--"):  # a forgotten value, not a file
+                following = next(args, None)
+                if following is None or following.startswith("--"):  # a forgotten value
                     raise UsageError(f"{flag} needs a value ({flag}=VALUE if it starts with -)")
+                value = following
             values[flag[2:]] = value
         elif stage is None:
             stage = arg

@@ -17,6 +17,7 @@ from ..core import annotation
 from ..core.workload import (
     BESTEFFORT,
     Workload,
+    kind_of,
     millicores_from_quota,
     millicores_from_shares,
     qos_from_cgroup_parent,
@@ -259,6 +260,7 @@ def from_oci(
         cpu_request_milli=millicores_from_shares(config.shares) if config.shares else 0,
         cpu_limit_milli=millicores_from_quota(config.quota, config.period),
         annotations=annotation.read(config.annotations, container_name),
+        kind=kind_of(config.annotations),
         cgroup_path=cgroup_path,
     )
 

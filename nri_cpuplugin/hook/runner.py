@@ -41,7 +41,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage import owner
 from ..storage.store import Expected, StateStore
-from . import containers, oci
+from . import containers, oci, units
 from .apply import apply_targets
 from .failure import EXIT_OK, EXIT_REFUSED, HookFailure
 from .records import Record, Records
@@ -98,6 +98,22 @@ class _View(Value):
     resized: Mapping[str, Record] = _NONE
 
 
+class _Placing(Value):
+    """The container a ``createRuntime`` run places."""
+
+    workload: Workload
+    cgroups: ContainerCgroups
+    locality: Locality | None
+
+
+class _Committed(Value):
+    """What the commit step leaves for the writes and the audit trail."""
+
+    targets: dict[str, Record]  # every live container's record, the placed one included
+    durable: bool  # False: the state could not be written (the cgroups are written anyway)
+    unsaved: str  # why the state, or a resized container's record, could not be written
+
+
 class Hook:
     def __init__(self, settings: Settings, options: Options, audit: Audit) -> None:
         self.settings = settings
@@ -134,9 +150,7 @@ class Hook:
         with CgroupFS(layout) as fs:
             if not fs.exists("cpuset", cgroups.cpuset):
                 raise CgroupError(f"cgroup {cgroups.cpuset} of container {state.id} is gone")
-            return self._locked_run(
-                engine, fs, workload=workload, cgroups=cgroups, locality=locality
-            )
+            return self._locked_run(engine, fs, placing=_Placing(workload, cgroups, locality))
 
     def release(self, state: oci.OCIState) -> int:
         if self._deferred(state):
@@ -151,96 +165,153 @@ class Hook:
         self,
         engine: Engine,
         fs: CgroupFS,
-        workload: Workload | None = None,
-        cgroups: ContainerCgroups | None = None,
+        placing: _Placing | None = None,
         released_id: str | None = None,
-        locality: Locality | None = None,
     ) -> int:
+        """Steps 3 and 4 of the module docstring under the state lock, then the audit trail."""
         store = self.store
+        workload = placing.workload if placing is not None else None
         with store.locked():
             dir_fd = store.held_dir()
             self._fault("locked")
             view = self._observe(engine, fs, dir_fd, workload, released_id)
-            outcome = view.observed
-            refusal: PolicyError | None = None
-            if workload is not None:
-                try:
-                    outcome = outcome.then(
-                        engine.create(
-                            outcome.state,
-                            workload,
-                            locality.preference if locality is not None else None,
-                            locality.note if locality is not None else None,
-                        )
-                    )
-                except PolicyError as err:
-                    refusal = err
-            placed = outcome.decision is not None and workload is not None
-            state = outcome.state
+            outcome, refusal = self._decide(engine, view.observed, placing)
+            placed = placing if outcome.decision is not None else None
             self._fault("decided")
-
-            # Commit, then act.  The record of a newly placed container is written first, so
-            # every container a committed state names can be found again.  Records of resized
-            # containers go after the commit: until the state says so, the old record (its old
-            # request) is what makes the next run find the resize again.
-            records = {**view.records, **view.resized}
-            targets = {c.workload.container_id: records[c.workload.container_id] for c in view.live}
-            exclusive = placed and outcome.decision.exclusive
-            durable, unsaved = True, ""
-            try:
-                if placed:
-                    targets[workload.container_id] = Record(
-                        workload, cgroups, containers.shares(fs, cgroups.cpu)
-                    )
-                    self.records.write(dir_fd, targets[workload.container_id])
-                    self._fault("recorded")
-                if view.loaded.set_aside:
-                    store.set_aside()
-                if view.stored is None or state != view.stored:
-                    store.commit(state)  # (a followed online set: its new fingerprint too)
-            except OSError as err:
-                # A full disk must not stop containers that only share: where they run is
-                # derived again by the next run.  Exclusive CPUs a crash could forget are not
-                # handed out.
-                if exclusive:
-                    self.records.remove(dir_fd, [workload.container_id])
-                    raise
-                durable = False
-                unsaved = str(err)
-            if durable:
-                unsaved = self._write_resized(dir_fd, view)
+            committed = self._commit(fs, dir_fd, view, outcome, placed)
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
-            try:
-                held = view.loaded.state.assignments
-                writes = apply_targets(
-                    fs,
-                    engine,
-                    state,
-                    targets,
-                    view.requested,
-                    workload,
-                    self._fault,
-                    was_exclusive={cid for cid, a in held.items() if a.cpus},
-                )
-            except CgroupError as err:
-                if placed and durable and state != view.observed.state:
-                    # Every write was undone: the state must not claim the decision either.
-                    store.commit(view.observed.state)
-                    self.records.remove(dir_fd, [workload.container_id])
-                raise HookFailure(str(err)) from None
-            returned, errors = self._return_evicted(fs, view, targets)
-
-            # Records of containers the state no longer names go last: until the commit above,
-            # the old state still named them.
-            keep = set(state.assignments) | set(state.sharing) | targets.keys()
-            self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
+            writes, unkept = self._write(fs, engine, dir_fd, view, outcome.state, committed, placed)
+            returned, errors = self._return_evicted(fs, view, committed.targets)
+            self._forget_records(dir_fd, view, outcome.state, committed.targets)
             self._fault("cleaned")
             lock_wait = store.lock_wait
 
         extra = {"lock_wait_ms": f"{lock_wait * 1000:.1f}", "cgroup_writes": len(writes)}
         self.audit.emit(view.loaded.events)
-        if not durable:
+        self._report_unsaved(committed)
+        self.audit.emit(outcome.events, **extra)
+        self._report_repairs(returned, grown + errors)
+        self._report_unkept(unkept)
+        if refusal is not None and workload is not None:
+            raise HookFailure(
+                str(refusal),
+                EXIT_REFUSED,
+                "refuse",
+                lock_wait_ms=extra["lock_wait_ms"],
+                **workload.identity(),
+            )
+        return EXIT_OK
+
+    def _decide(
+        self, engine: Engine, observed: Outcome, placing: _Placing | None
+    ) -> tuple[Outcome, PolicyError | None]:
+        """The new container's decision after what was observed, or the policy's refusal."""
+        if placing is None:
+            return observed, None
+        locality = placing.locality
+        try:
+            created = engine.create(
+                observed.state,
+                placing.workload,
+                locality.preference if locality is not None else None,
+                locality.note if locality is not None else None,
+            )
+        except PolicyError as err:
+            return observed, err
+        return observed.then(created), None
+
+    def _commit(
+        self,
+        fs: CgroupFS,
+        dir_fd: int,
+        view: _View,
+        outcome: Outcome,
+        placed: _Placing | None,
+    ) -> _Committed:
+        """Commit, then act.  The record of a newly placed container is written first, so
+        every container a committed state names can be found again.  Records of resized
+        containers go after the commit: until the state says so, the old record (its old
+        request) is what makes the next run find the resize again."""
+        records = {**view.records, **view.resized}
+        targets = {c.workload.container_id: records[c.workload.container_id] for c in view.live}
+        state = outcome.state
+        try:
+            if placed is not None:
+                cid = placed.workload.container_id
+                cgroups = placed.cgroups
+                targets[cid] = Record(placed.workload, cgroups, containers.shares(fs, cgroups.cpu))
+                self.records.write(dir_fd, targets[cid])
+                self._fault("recorded")
+            if view.loaded.set_aside:
+                self.store.set_aside()
+            if view.stored is None or state != view.stored:
+                self.store.commit(state)  # (a followed online set: its new fingerprint too)
+        except OSError as err:
+            # A full disk must not stop containers that only share: where they run is
+            # derived again by the next run.  Exclusive CPUs a crash could forget are not
+            # handed out.
+            if placed is not None and outcome.decision is not None and outcome.decision.exclusive:
+                self.records.remove(dir_fd, [placed.workload.container_id])
+                raise
+            return _Committed(targets, durable=False, unsaved=str(err))
+        return _Committed(targets, durable=True, unsaved=self._write_resized(dir_fd, view))
+
+    def _write(
+        self,
+        fs: CgroupFS,
+        engine: Engine,
+        dir_fd: int,
+        view: _View,
+        state: NodeState,
+        committed: _Committed,
+        placed: _Placing | None,
+    ) -> tuple[list[str], list[str]]:
+        """The cgroup writes of the committed state, then the systemd units' properties of
+        those that are scopes (hook/units.py): (one line per write, one per unit systemd did
+        not take).  When the writes fail (every write undone), a new placement is withdrawn
+        from the state again."""
+        try:
+            held = view.loaded.state.assignments
+            written, plan = apply_targets(
+                fs,
+                engine,
+                state,
+                committed.targets,
+                view.requested,
+                placed.workload if placed is not None else None,
+                self._fault,
+                was_exclusive={cid for cid, a in held.items() if a.cpus},
+            )
+        except CgroupError as err:
+            if placed is not None and committed.durable and state != view.observed.state:
+                # Every write was undone: the state must not claim the decision either.
+                self.store.commit(view.observed.state)
+                self.records.remove(dir_fd, [placed.workload.container_id])
+            raise HookFailure(str(err)) from None
+        return written, units.tell_systemd(units.scope_changes(fs, plan), self.settings.systemd_bus)
+
+    def _forget_records(
+        self, dir_fd: int, view: _View, state: NodeState, targets: Mapping[str, Record]
+    ) -> None:
+        """Records of containers the state no longer names go last: until the commit, the
+        old state still named them."""
+        keep = set(state.assignments) | set(state.sharing) | targets.keys()
+        self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
+
+    def _report_unkept(self, unkept: list[str]) -> None:
+        if unkept:
+            self.audit.record(
+                "systemd",
+                "cpusets written to cgroups that systemd may put back (it did not take them as "
+                f"the units' properties): {'; '.join(unkept)}",
+                WARNING,
+                reason="systemd",
+            )
+
+    def _report_unsaved(self, committed: _Committed) -> None:
+        unsaved = committed.unsaved
+        if not committed.durable:
             self.audit.record(
                 "state-unsaved",
                 f"the state could not be written; the cgroups were written anyway: {unsaved}",
@@ -255,17 +326,6 @@ class Hook:
                 WARNING,
                 reason=unsaved,
             )
-        self.audit.emit(outcome.events, **extra)
-        self._report_repairs(returned, grown + errors)
-        if refusal is not None:
-            raise HookFailure(
-                str(refusal),
-                EXIT_REFUSED,
-                "refuse",
-                lock_wait_ms=extra["lock_wait_ms"],
-                **workload.identity(),
-            )
-        return EXIT_OK
 
     def _observe(
         self,

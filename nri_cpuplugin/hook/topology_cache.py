@@ -55,7 +55,7 @@ def _topology_key(sysfs: str) -> dict[str, Any] | None:
         info = os.stat(cpu_dir)
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
-        lists = {}
+        lists: dict[str, str | None] = {}
         for name in ("online", "offline", "present", "isolated"):
             try:
                 with open(os.path.join(cpu_dir, name)) as f:

@@ -228,25 +228,7 @@ def narrowed_events(handled: int, wanted: object) -> int:
             raise SubscriptionError(f"configure() returned {wanted:#x}, not an event mask")
         mask = wanted
     elif isinstance(wanted, Iterable):
-        names = list(wanted)
-        unknown = [n for n in names if n not in EVENT_BITS]
-        if unknown:
-            hints = [
-                f"{n!r} (did you mean {c!r}?)" if (c := _closest_event(n)) else repr(n)
-                for n in unknown
-            ]
-            raise SubscriptionError(
-                f"configure() asked for unknown events {', '.join(hints)}; event handler "
-                f"names are: {', '.join(EVENT_BITS)}"
-            )
-        if not names:
-            # Not expressible: a zero mask on the wire subscribes to everything.
-            raise SubscriptionError(
-                "configure() returned no events; return None to keep every handler's event"
-            )
-        mask = 0
-        for name in names:
-            mask |= EVENT_BITS[name]
+        mask = _mask_of_names(list(wanted))
     else:
         raise TypeError(
             f"configure() returned a {type(wanted).__name__}; return None, a list of event "
@@ -258,6 +240,29 @@ def narrowed_events(handled: int, wanted: object) -> int:
             "configure() asked for events the plugin has no handlers for: "
             f"{describe_events(extra)} (it handles {describe_events(handled)})"
         )
+    return mask
+
+
+def _mask_of_names(names: list[object]) -> int:
+    """The event mask of handler names; SubscriptionError for unknown names (with the closest
+    known one) and for none at all."""
+    unknown = [n for n in names if n not in EVENT_BITS]
+    if unknown:
+        hints = [
+            f"{n!r} (did you mean {c!r}?)" if (c := _closest_event(n)) else repr(n) for n in unknown
+        ]
+        raise SubscriptionError(
+            f"configure() asked for unknown events {', '.join(hints)}; event handler "
+            f"names are: {', '.join(EVENT_BITS)}"
+        )
+    if not names:
+        # Not expressible: a zero mask on the wire subscribes to everything.
+        raise SubscriptionError(
+            "configure() returned no events; return None to keep every handler's event"
+        )
+    mask = 0
+    for name in names:
+        mask |= EVENT_BITS[name]  # type: ignore[index]  # (checked above: a known name)
     return mask
 
 

@@ -177,7 +177,12 @@ class Stub:
         self._sync_pods: list[pb.PodSandbox] = []
         self._sync_containers: list[pb.Container] = []
         self._configured = False  # this connection's Configure was answered with success
-        self._methods: dict[str, Callable[[bytes], Any]] = {
+        self._methods = self._method_table(plugin, set(unimplemented))
+
+    def _method_table(self, plugin: object, refused: set[str]) -> dict[str, Callable[[bytes], Any]]:
+        """The ttrpc methods served, by name: the NRI 0.6-0.11 set, and the NRI 0.12
+        per-event methods the plugin handles (unless ``refused``)."""
+        methods: dict[str, Callable[[bytes], Any]] = {
             "Configure": self._configure,
             "Synchronize": self._synchronize,
             "Shutdown": self._shutdown,
@@ -186,7 +191,6 @@ class Stub:
             "StopContainer": self._stop_container,
             "StateChange": self._state_change,
         }
-        refused = set(unimplemented)
         if refused - PER_EVENT_METHODS.keys():
             raise ValueError(
                 f"unimplemented={sorted(refused - PER_EVENT_METHODS.keys())}: only NRI 0.12 "
@@ -194,10 +198,11 @@ class Stub:
             )
         for method, handler in PER_EVENT_METHODS.items():
             if callable(getattr(plugin, handler, None)) and method not in refused:
-                self._methods[method] = self._per_event(method, handler)
+                methods[method] = self._per_event(method, handler)
         if callable(getattr(plugin, "update_pod_sandbox", None)):
             # No StateChange form exists for it: served whenever the plugin handles it.
-            self._methods["UpdatePodSandbox"] = self._update_pod_sandbox
+            methods["UpdatePodSandbox"] = self._update_pod_sandbox
+        return methods
 
     @classmethod
     def from_environment(
@@ -278,7 +283,10 @@ class Stub:
             self.connected.set()
             await reading
         except (RegistrationError, ProtocolError, ConnectionError, TimeoutError) as err:
-            log.warning("NRI connection ended: %s", err)
+            if self._stopping.is_set():  # stop() closed it (SIGTERM): not the runtime's doing
+                log.info("NRI connection closed: stopping")
+            else:
+                log.warning("NRI connection ended: %s", err)
         finally:
             self.connected.clear()
             reading.cancel()

@@ -29,7 +29,7 @@ __all__ = ["DEBUG", "ERR", "INFO", "NOTICE", "WARNING", "Audit"]
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
-    import socket
+    import _socket
     from collections.abc import Callable, Iterable
     from typing import Any, TextIO
 
@@ -76,9 +76,9 @@ class JournalSink:
     def __init__(self, path: str = JOURNAL_SOCKET, fallback: Sink | None = None) -> None:
         self.path = path
         self.fallback = fallback or stderr_sink()
-        self._sock: socket.socket | None = None
+        self._sock: _socket.socket | None = None
 
-    def _connected(self) -> socket.socket:
+    def _connected(self) -> _socket.socket:
         # Connected once: a path lookup per record would cost as much as the send itself.
         # _socket is the socket module's own C core: importing ``socket`` itself (selectors,
         # enums) would add ~1.5 ms to every start of the OCI hook.

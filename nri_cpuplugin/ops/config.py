@@ -17,8 +17,11 @@ from ..core.cpuset import CPUSet
 
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
     from typing import Any
+
+    # A key's check: (value as read, "where: key" for the message) -> the value Settings holds.
+    Check = Callable[[Any, str], Any]
 
 DEFAULT_STATE_DIR = "/var/lib/nri-cpuplugin"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -67,6 +70,9 @@ class Settings(Value):
     nic_read_ahead: bool = True
     # Earmark CPUs for a Guaranteed pod's exclusive containers when its sandbox starts.
     earmark_pods: bool = True
+    # Where the daemon reaches systemd to change the cpusets of systemd-driver containers as
+    # systemd keeps them (daemon/units.py): "auto", "off", or a socket path.
+    systemd_bus: str = "auto"
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -74,31 +80,6 @@ class Settings(Value):
         if self.reserved_cpus is None and self.reserved_cpu_count is None:
             return 1
         return self.reserved_cpu_count
-
-
-# TOML layout: top-level keys, plus [nri] and [metrics] tables.
-_TOP = {
-    "reserved_cpus": "reserved_cpus",
-    "reserved_cpu_count": "reserved_cpu_count",
-    "state_dir": "state_dir",
-    "policy_options": "policy_options",
-    "cfs_quota": "cfs_quota",
-    "sysfs": "sysfs",
-    "log_level": "log_level",
-    "nic_read_ahead": "nic_read_ahead",
-    "earmark_pods": "earmark_pods",
-}
-_TABLES = {
-    "nri": {
-        "socket": "nri_socket",
-        "name": "nri_name",
-        "index": "nri_index",
-        "request_budget": "nri_request_budget",
-        "pin_at": "nri_pin_at",
-    },
-    "metrics": {"listen": "metrics_listen"},
-}
-KNOWN_KEYS = sorted([*_TOP, *(f"{table}.{key}" for table, keys in _TABLES.items() for key in keys)])
 
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:
@@ -114,15 +95,16 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
         if key in _TABLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: [{key}] must be a table")
-            for sub, sub_value in value.items():
-                field = _TABLES[key].get(sub)
-                if field is None:
-                    raise _unknown(source, f"{key}.{sub}")
-                overrides[field] = _check(field, sub_value, f"{source}: {key}.{sub}")
-        elif key in _TOP:
-            overrides[_TOP[key]] = _check(_TOP[key], value, f"{source}: {key}")
+            items = [(f"{key}.{sub}", sub_value) for sub, sub_value in value.items()]
+        elif "." not in key:  # (a quoted "nri.socket" is no key of the [nri] table)
+            items = [(key, value)]
         else:
             raise _unknown(source, key)
+        for name, item in items:
+            if name not in _KEYS:
+                raise _unknown(source, name)
+            field, check = _KEYS[name]
+            overrides[field] = check(item, f"{source}: {name}")
     return overrides
 
 
@@ -170,30 +152,47 @@ def parse_listen(value: str) -> tuple[str, int]:
     key named instead of surfacing later as a bind error.  Host names are only checked for
     their form: resolving them would make reading the config depend on DNS.  ValueError says
     what is wrong."""
-    import ipaddress  # here: only a config that sets metrics.listen needs it
-    import re
+    bracketed = value.startswith("[")
+    host, port = _split_ipv6(value) if bracketed else _split_host(value)
+    number = _port(port)
+    if not bracketed and host:
+        _check_host(host)
+    return host, number
 
-    if value.startswith("["):
-        host, bracket, rest = value[1:].partition("]")
-        if not bracket:
-            raise ValueError("no closing ] after the IPv6 address")
-        if not rest.startswith(":"):
-            raise ValueError("no port after the IPv6 address")
-        port = rest[1:]
+
+def _split_ipv6(value: str) -> tuple[str, str]:
+    """``[ADDRESS]:PORT`` -> (address, port text)."""
+    import ipaddress  # here: only a config that sets metrics.listen needs it
+
+    host, bracket, rest = value[1:].partition("]")
+    if not bracket:
+        raise ValueError("no closing ] after the IPv6 address")
+    if not rest.startswith(":"):
+        raise ValueError("no port after the IPv6 address")
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv6 address") from None
+    return host, rest[1:]
+
+
+def _split_host(value: str) -> tuple[str, str]:
+    """``HOST:PORT`` without brackets -> (host, port text)."""
+    import ipaddress
+
+    host, colon, port = value.rpartition(":")
+    if not colon:
+        raise ValueError("no port")
+    if ":" in host:
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise ValueError(f"{host!r} is not an IPv6 address") from None
-    else:
-        host, colon, port = value.rpartition(":")
-        if not colon:
-            raise ValueError("no port")
-        if ":" in host:
-            try:
-                ipaddress.IPv6Address(host)
-            except ValueError:
-                raise ValueError(f"{host!r} is not an IP address or a host name") from None
-            raise ValueError("IPv6 addresses go in brackets, like [::1]:9464")
+            raise ValueError(f"{host!r} is not an IP address or a host name") from None
+        raise ValueError("IPv6 addresses go in brackets, like [::1]:9464")
+    return host, port
+
+
+def _port(port: str) -> int:
     if not port:
         raise ValueError("no port")
     if not (port.isascii() and port.isdigit()):
@@ -201,14 +200,20 @@ def parse_listen(value: str) -> tuple[str, int]:
     number = int(port) if len(port) <= 5 else 65536  # int() of a huge string is slow
     if number > 65535:
         raise ValueError(f"port {port} is out of range")
-    if value.startswith("[") or not host:
-        return host, number
+    return number
+
+
+def _check_host(host: str) -> None:
+    """An IPv4 address or a host name, by its form."""
+    import ipaddress
+    import re
+
     if all(c.isdigit() or c == "." for c in host):  # meant as an IPv4 address
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
             raise ValueError(f"{host!r} is not an IPv4 address") from None
-        return host, number
+        return
     name = host.removesuffix(".")  # a trailing dot: fully qualified
     labels = name.split(".")
     if (
@@ -218,86 +223,133 @@ def parse_listen(value: str) -> tuple[str, int]:
         or labels[-1].isdigit()  # a numeric top-level label is a mistyped address, not a name
     ):
         raise ValueError(f"{host!r} is not an IP address or a host name")
-    return host, number
 
 
 def _unknown(source: str, key: str) -> ConfigError:
     return ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(KNOWN_KEYS)}")
 
 
-def _check(field: str, value: Any, where: str) -> Any:
-    if field == "reserved_cpus":
-        if isinstance(value, str):
-            try:
-                cpus = CPUSet.parse(value)
-            except ValueError as err:
-                raise ConfigError(f"{where}: {err}") from None
-        elif isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
-            cpus = CPUSet(value)
-        else:
-            raise ConfigError(
-                f'{where} = {value!r}: expected a cpulist string like "0-1" or a '
-                "list of CPU ids like [0, 1]"
-            )
-        if not cpus:
-            raise ConfigError(f"{where} is empty: reserve at least one CPU")
-        return cpus
-    if field == "reserved_cpu_count":
-        if type(value) is not int or value < 1:
-            raise ConfigError(f"{where} = {value!r}: expected a whole number of CPUs, at least 1")
-        return value
-    if field == "policy_options":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} = {value!r}: expected a list of option names")
+# --- one check per key: the value as Settings holds it, or a ConfigError naming the key ----
+
+
+def _reserved_cpus(value: Any, where: str) -> CPUSet:
+    if isinstance(value, str):
         try:
-            validate_options(value)
-        except OptionError as err:
-            raise ConfigError(f"{where}: {err}") from None
-        return tuple(value)
-    if field == "cfs_quota":
-        return _choice(value, CFS_QUOTA_MODES, where)
-    if field == "nri_pin_at":
-        return _choice(value, PIN_AT, where)
-    if field in ("nic_read_ahead", "earmark_pods"):
-        if type(value) is not bool:
-            raise ConfigError(f"{where} = {value!r}: expected true or false")
-        return value
-    if field == "log_level":
-        return _choice(value, LOG_LEVELS, where)
-    if field == "nri_index":
-        if not (isinstance(value, str) and len(value) == 2 and value.isdigit()):
-            raise ConfigError(f'{where} = {value!r}: expected two digits as a string, like "50"')
-        return value
-    if field == "nri_request_budget":
-        # bool is an int to Python, but `true` is no number of seconds.
-        if type(value) not in (int, float) or not 0 < value <= MAX_REQUEST_BUDGET:
-            raise ConfigError(
-                f"{where} = {value!r}: expected seconds, a number above 0 and at most "
-                f"{MAX_REQUEST_BUDGET:g} (like 1.5); it must stay below the runtime's request "
-                "timeout (2 s by default)"
-            )
-        return float(value)
-    if field == "nri_name":
-        if not (isinstance(value, str) and value and _PLUGIN_NAME.issuperset(value)):
-            raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
-        return value
-    if field == "metrics_listen":
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} = {value!r}: {LISTEN_FORM}")
-        try:
-            _, port = parse_listen(value)
+            cpus = CPUSet.parse(value)
         except ValueError as err:
-            raise ConfigError(f"{where} = {value!r}: {err}; {LISTEN_FORM}") from None
-        if port == 0:
-            # The kernel would pick a port nobody knows to scrape.
-            raise ConfigError(f"{where} = {value!r}: port 0 picks a random port; {LISTEN_FORM}")
-        return value
+            raise ConfigError(f"{where}: {err}") from None
+    elif isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
+        cpus = CPUSet(value)
+    else:
+        raise ConfigError(
+            f'{where} = {value!r}: expected a cpulist string like "0-1" or a '
+            "list of CPU ids like [0, 1]"
+        )
+    if not cpus:
+        raise ConfigError(f"{where} is empty: reserve at least one CPU")
+    return cpus
+
+
+def _reserved_cpu_count(value: Any, where: str) -> int:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{where} = {value!r}: expected a whole number of CPUs, at least 1")
+    return value
+
+
+def _policy_options(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} = {value!r}: expected a list of option names")
+    try:
+        validate_options(value)
+    except OptionError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return tuple(value)
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(value: Any, where: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r}: expected one of {', '.join(choices)}")
+        return str(value)
+
+    return check
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise ConfigError(f"{where} = {value!r}: expected true or false")
+    return value
+
+
+def _nri_index(value: Any, where: str) -> str:
+    if not (isinstance(value, str) and len(value) == 2 and value.isdigit()):
+        raise ConfigError(f'{where} = {value!r}: expected two digits as a string, like "50"')
+    return value
+
+
+def _request_budget(value: Any, where: str) -> float:
+    # bool is an int to Python, but `true` is no number of seconds.
+    if type(value) not in (int, float) or not 0 < value <= MAX_REQUEST_BUDGET:
+        raise ConfigError(
+            f"{where} = {value!r}: expected seconds, a number above 0 and at most "
+            f"{MAX_REQUEST_BUDGET:g} (like 1.5); it must stay below the runtime's request "
+            "timeout (2 s by default)"
+        )
+    return float(value)
+
+
+def _plugin_name(value: Any, where: str) -> str:
+    if not (isinstance(value, str) and value and _PLUGIN_NAME.issuperset(value)):
+        raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
+    return value
+
+
+def _listen(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} = {value!r}: {LISTEN_FORM}")
+    try:
+        _, port = parse_listen(value)
+    except ValueError as err:
+        raise ConfigError(f"{where} = {value!r}: {err}; {LISTEN_FORM}") from None
+    if port == 0:
+        # The kernel would pick a port nobody knows to scrape.
+        raise ConfigError(f"{where} = {value!r}: port 0 picks a random port; {LISTEN_FORM}")
+    return value
+
+
+def _bus(value: Any, where: str) -> str:
+    if value in ("auto", "off") or (isinstance(value, str) and value.startswith("/")):
+        return str(value)
+    raise ConfigError(
+        f'{where} = {value!r}: expected "auto", "off" or the absolute path of a D-Bus socket'
+    )
+
+
+def _path(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
     return value
 
 
-def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
-    if value not in choices:
-        raise ConfigError(f"{where} = {value!r}: expected one of {', '.join(choices)}")
-    return value
+# Every key of the TOML file and the runtime's config string: top-level keys, plus the [nri],
+# [metrics] and [systemd] tables ("table.key"), with the Settings field each sets and its check.
+_KEYS: dict[str, tuple[str, Check]] = {
+    "reserved_cpus": ("reserved_cpus", _reserved_cpus),
+    "reserved_cpu_count": ("reserved_cpu_count", _reserved_cpu_count),
+    "state_dir": ("state_dir", _path),
+    "policy_options": ("policy_options", _policy_options),
+    "cfs_quota": ("cfs_quota", _one_of(CFS_QUOTA_MODES)),
+    "sysfs": ("sysfs", _path),
+    "log_level": ("log_level", _one_of(LOG_LEVELS)),
+    "nic_read_ahead": ("nic_read_ahead", _boolean),
+    "earmark_pods": ("earmark_pods", _boolean),
+    "nri.socket": ("nri_socket", _path),
+    "nri.name": ("nri_name", _plugin_name),
+    "nri.index": ("nri_index", _nri_index),
+    "nri.request_budget": ("nri_request_budget", _request_budget),
+    "nri.pin_at": ("nri_pin_at", _one_of(PIN_AT)),
+    "metrics.listen": ("metrics_listen", _listen),
+    "systemd.bus": ("systemd_bus", _bus),
+}
+_TABLES = frozenset(key.partition(".")[0] for key in _KEYS if "." in key)
+KNOWN_KEYS = sorted(_KEYS)

@@ -13,7 +13,8 @@ import os
 from typing import Any
 
 from ..core.cpuset import CPUSet
-from ..core.topology import TopologyError, discover
+from ..core.state import Assignment, Earmark, NodeState
+from ..core.topology import Topology, TopologyError, discover
 from ..storage import owner
 from ..storage.store import MISSING, StateStore
 
@@ -30,28 +31,12 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
         return report
     state = result.state
     try:
-        topology = discover(sysfs)
+        topology: Topology | None = discover(sysfs)
     except TopologyError as err:
         topology = None
         report["topology_problem"] = str(err)
-    numa_of = (lambda cpus: topology.numa_of(cpus)) if topology else (lambda cpus: CPUSet())
     assignments = [
-        {
-            "container_id": cid,
-            "pod_namespace": a.pod_namespace,
-            "pod_name": a.pod_name,
-            "pod_uid": a.pod_uid,
-            "container_name": a.container_name,
-            "kind": a.kind,
-            "cpus": str(a.cpus),
-            "numa": str(numa_of(a.cpus)),
-            "degraded": a.degraded,
-            "lost": str(a.lost),
-            "nics": list(a.nics),
-            "nic_numa": str(a.nic_nodes),
-            "nic_strict": a.nic_strict,
-            "nic_honoured": _honoured(a.nic_nodes, numa_of(a.cpus), bool(a.cpus)),
-        }
+        _assignment(cid, a, topology)
         for cid, a in sorted(
             state.assignments.items(),
             key=lambda item: (min(item[1].cpus | item[1].lost), item[0]),
@@ -65,32 +50,61 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
         shared_pool_millicores=len(state.shared) * 1000,
         exclusive=str(state.assigned),
         exclusive_cpu_count=len(state.assigned),
-        earmarked={
-            uid: {
-                "cpus": str(e.cpus),
-                "pod": f"{e.pod_namespace}/{e.pod_name}",
-                "sandbox_id": e.sandbox_id,
-                "cpu_limit_milli": e.limit_milli,
-                "claimed_milli": e.claimed_milli,
-            }
-            for uid, e in sorted(state.earmarks.items())
-        },
+        earmarked={uid: _earmark(e) for uid, e in sorted(state.earmarks.items())},
         shared_containers=len(state.sharing),
         assignments=assignments,
         degraded=[a for a in assignments if a["degraded"]],
     )
     if topology is not None:
-        free = topology.online - topology.isolated - state.reserved - state.exclusive
-        report["isolated"] = str(topology.isolated)
-        report["numa"] = {
+        report.update(_free_per_node(state, topology))
+    return report
+
+
+def _assignment(cid: str, a: Assignment, topology: Topology | None) -> dict[str, Any]:
+    numa = topology.numa_of(a.cpus) if topology is not None else CPUSet()
+    return {
+        "container_id": cid,
+        "pod_namespace": a.pod_namespace,
+        "pod_name": a.pod_name,
+        "pod_uid": a.pod_uid,
+        "container_name": a.container_name,
+        "kind": a.kind,
+        "cpus": str(a.cpus),
+        "numa": str(numa),
+        "degraded": a.degraded,
+        "lost": str(a.lost),
+        "nics": list(a.nics),
+        "nic_numa": str(a.nic_nodes),
+        "nic_strict": a.nic_strict,
+        "nic_honoured": _honoured(a.nic_nodes, numa, bool(a.cpus)),
+    }
+
+
+def _earmark(e: Earmark) -> dict[str, Any]:
+    return {
+        "cpus": str(e.cpus),
+        "pod": f"{e.pod_namespace}/{e.pod_name}",
+        "sandbox_id": e.sandbox_id,
+        "cpu_limit_milli": e.limit_milli,
+        "claimed_milli": e.claimed_milli,
+    }
+
+
+def _free_per_node(state: NodeState, topology: Topology) -> dict[str, Any]:
+    """The isolated CPUs, and per NUMA node its CPUs, those free for exclusive use and how
+    many are allocated."""
+    free = topology.online - topology.isolated - state.reserved - state.exclusive
+    return {
+        "isolated": str(topology.isolated),
+        "numa": {
             str(node): {
                 "cpus": str(cpus),
                 "free_exclusive": str(free & cpus),
                 "allocated": len(state.assigned & cpus),
             }
             for node, cpus in topology.numa_nodes.items()
-        }
-    return report
+        },
+    }
 
 
 def _honoured(nic_nodes: CPUSet, numa: CPUSet, placed: bool) -> str:
@@ -127,7 +141,16 @@ def _owner_line(daemon: dict[str, Any] | None) -> str:
 
 def render_text(report: dict[str, Any]) -> str:
     if report["state"] != "ok":
-        return f"state file {report['state_file']}: {report['problem']}\n"
+        return f"{report['problem']}\n"  # (every problem names the file)
+    lines = _pool_lines(report)
+    if report["assignments"]:
+        lines += ["", *_assignment_lines(report["assignments"])]
+    if report.get("degraded"):
+        lines += ["", *_degraded_lines(report["degraded"], report["shared"])]
+    return "\n".join(lines) + "\n"
+
+
+def _pool_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"state file  {report['state_file']}  (policy {report['policy']})",
         _owner_line(report.get("daemon")),
@@ -144,34 +167,37 @@ def render_text(report: dict[str, Any]) -> str:
             f"numa {node:<6} cpus {info['cpus']}  free for exclusive use: "
             f"{info['free_exclusive'] or '-'}"
         )
-    if report["assignments"]:
-        lines.append("")
+    return lines
+
+
+def _assignment_lines(assignments: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"{'CPUS':<12} {'NUMA':<6} {'NIC-NUMA':<9} {'NEAR-NIC':<9} {'POD':<32} {'CONTAINER':<20} ID"
+    ]
+    for a in assignments:
+        nic_numa = (a["nic_numa"] + ("!" if a["nic_strict"] else "")) or "-"
         lines.append(
-            f"{'CPUS':<12} {'NUMA':<6} {'NIC-NUMA':<9} {'NEAR-NIC':<9} {'POD':<32} "
-            f"{'CONTAINER':<20} ID"
+            f"{a['cpus'] or '(shared)':<12} {a['numa'] or '-':<6} {nic_numa:<9} "
+            f"{a['nic_honoured']:<9} {_pod(a):<32} {a['container_name']:<20} "
+            f"{a['container_id'][:13]}"
         )
-        for a in report["assignments"]:
-            pod = f"{a['pod_namespace']}/{a['pod_name']}" if a["pod_name"] else a["pod_uid"]
-            nic_numa = (a["nic_numa"] + ("!" if a["nic_strict"] else "")) or "-"
-            lines.append(
-                f"{a['cpus'] or '(shared)':<12} {a['numa'] or '-':<6} {nic_numa:<9} "
-                f"{a['nic_honoured']:<9} {pod:<32} {a['container_name']:<20} "
-                f"{a['container_id'][:13]}"
-            )
-        nics = [a for a in report["assignments"] if a["nics"]]
-        if nics:
-            lines.append("")
-            lines.append("NICs (NIC-NUMA '!' = strict):")
-            for a in nics:
-                lines.append(f"  {a['container_name']}: {'; '.join(a['nics'])}")
-    if report.get("degraded"):
-        lines.append("")
-        lines.append("DEGRADED (lost CPUs to hotplug, nothing free replaced them):")
-        for a in report["degraded"]:
-            pod = f"{a['pod_namespace']}/{a['pod_name']}" if a["pod_name"] else a["pod_uid"]
-            runs = a["cpus"] or f"the shared pool {report['shared']}"
-            lines.append(
-                f"  {pod}/{a['container_name']} ({a['container_id'][:13]}): lost {a['lost']}, "
-                f"runs on {runs} until it returns"
-            )
-    return "\n".join(lines) + "\n"
+    nics = [a for a in assignments if a["nics"]]
+    if nics:
+        lines += ["", "NICs (NIC-NUMA '!' = strict):"]
+        lines += [f"  {a['container_name']}: {'; '.join(a['nics'])}" for a in nics]
+    return lines
+
+
+def _degraded_lines(degraded: list[dict[str, Any]], shared: str) -> list[str]:
+    lines = ["DEGRADED (lost CPUs to hotplug, nothing free replaced them):"]
+    for a in degraded:
+        runs = a["cpus"] or f"the shared pool {shared}"
+        lines.append(
+            f"  {_pod(a)}/{a['container_name']} ({a['container_id'][:13]}): lost {a['lost']}, "
+            f"runs on {runs} until it returns"
+        )
+    return lines
+
+
+def _pod(a: dict[str, Any]) -> str:
+    return f"{a['pod_namespace']}/{a['pod_name']}" if a["pod_name"] else a["pod_uid"]

@@ -117,6 +117,7 @@ class Locked:
 
     def __exit__(self, *exc: object) -> None:
         store = self.store
+        assert self._fds is not None and self._entry is not None, "exit without enter"
         fd, dir_fd = self._fds
         try:
             try:

@@ -19,6 +19,7 @@ from topologies import topology
 from . import scratch
 from .bench_crio import SIDES as CRIO_SIDES
 from .bench_crio import bench_crio_exclusive_start
+from .bench_dbus import HOOK_LOADED, IMPORTS, bench_dbus_clients
 from .bench_density import bench_dense_create, cgroup_write_floor, plot_density
 from .bench_e2e import (
     ISOLATION_SETUPS,
@@ -745,6 +746,106 @@ def section_storm(quick: bool) -> list[str]:
     return lines
 
 
+def section_dbus(quick: bool) -> list[str]:
+    report = bench_dbus_clients(60 if quick else 400, 20 if quick else 100)
+    imports = report["imports"]
+    labels = {
+        "ours": "ours (`systemd_units`, `dbus_wire`)",
+        "jeepney": "jeepney (blocking)",
+        "dbus-fast": "dbus-fast (asyncio)",
+        "sdbus": "sdbus (libsystemd)",
+    }
+    lines = [
+        "## D-Bus clients",
+        "",
+        "Setting a systemd scope's `AllowedCPUs`/`AllowedMemoryNodes` (`SetUnitProperties`, the "
+        "systemd cgroup driver: docs/cgroups-and-hooks.md §21) with our own client "
+        "(nri_cpuplugin/hardware/systemd_units.py) and three libraries, side by side in one "
+        "run, samples interleaved round by round (tests/bench/bench_dbus.py). The peer is a "
+        "private Debian dbus-daemon with the system bus's reply limit and a FAKE systemd "
+        "(tests/fake_systemd.py, jeepney; systemd cannot be PID 1 here) that answers every "
+        "call; the FAKE's own time is in every figure alike.",
+        "",
+        f"Import, as the OCI hook's launcher starts Python (`python -I -S -c 'import X'`, "
+        f"{imports['rounds']} rounds): wall time against the same start importing nothing, "
+        "and the sum of `-X importtime` self times over the import (median):",
+        "",
+        "| client | import | samples | median | p99 | ratio to bare start (median / p99) "
+        "| importtime |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = {
+        "bare": ("bare start", "`pass`"),
+        **{
+            name: (label, f"`{IMPORTS[name].removeprefix('import ')}`")
+            for name, label in labels.items()
+        },
+        "hook": ("what the hook has loaded already", f"`{HOOK_LOADED.removeprefix('import ')}`"),
+        "ours, in the hook": ("ours, after that (against the row above)", "the same + ours"),
+    }
+    for name, (label, statement) in rows.items():
+        s = imports["wall"][name]
+        r = imports["ratio"][name]
+        lines.append(
+            f"| {label} | {statement} | {s['n']} | {_ms(s['median_ms'])} | {_ms(s['p99_ms'])} "
+            f"| {r['median']:.2f} / {r['p99']:.2f} | {_ms(imports['importtime_ms'][name])} |"
+        )
+    lines += [
+        "",
+        "On a connection, per call (*connect*: connect, authenticate, Hello answered, close - "
+        "sdbus completes its handshake only with a first call; *fresh*: connect, authenticate, "
+        "Hello, one call answered, close - what the hook pays for one container, where ours "
+        "writes the handshake and the call at once; *call*: one call on an open connection; "
+        f"*{report['pipelined_calls']} pipelined*: all sent, every answer awaited - what the "
+        "daemon pays when a pool change moves that many shared containers). *Client CPU*: the "
+        "benchmark process's CPU time per call, the client's own work. *Peer to peer* is our "
+        "client on the FAKE's own socket, as systemd's `/run/systemd/private` is reached "
+        "(no dbus-daemon in between, no Hello).",
+        "",
+        f"| client | connect: median / p99 | fresh: median / p99 | client CPU | call: median / "
+        f"p99 | client CPU | {report['pipelined_calls']} pipelined: median / p99 | client CPU "
+        "per call |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    sides = {
+        "ours": labels["ours"],
+        "ours, peer to peer": "ours, peer to peer",
+        "ours, asyncio": "ours, asyncio (`AsyncSystemdClient`)",
+        "jeepney": labels["jeepney"],
+        "dbus-fast": labels["dbus-fast"],
+        "sdbus": labels["sdbus"] + " (pipelined: its asyncio API)",
+    }
+    for name, label in sides.items():
+        connect = report["connect"].get(name)
+        cells = [f"{_ms(connect['median_ms'])} / {_ms(connect['p99_ms'])}" if connect else "-"]
+        for kind in ("fresh", "call", "pipelined"):
+            s = report[kind].get(name)
+            cells += (
+                [f"{_ms(s['median_ms'])} / {_ms(s['p99_ms'])}", _ms(s["cpu_per_call_ms"])]
+                if s
+                else ["-", "-"]
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ours = report["call"]["ours"]["median_ms"]
+    wall = {name: s["median_ms"] for name, s in imports["wall"].items()}
+    lines += [
+        "",
+        f"{report['rounds']} rounds of *fresh* and *call*, {max(10, report['rounds'] // 10)} "
+        "of the pipelined batch. Ratios of medians, ours against each library: import "
+        + ", ".join(
+            f"{name} {wall[name] / wall['ours']:.2f}x" for name in ("jeepney", "dbus-fast", "sdbus")
+        )
+        + " as long as ours; one call "
+        + ", ".join(
+            f"{name} {report['call'][name]['median_ms'] / ours:.2f}x"
+            for name in ("jeepney", "dbus-fast", "sdbus")
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
 def section_crio(quick: bool) -> list[str]:
     report = bench_crio_exclusive_start(rounds=8 if quick else 30)
     labels = {"none": "no pinning", "hook": "OCI hook (hooks.d)", "daemon": "NRI daemon"}
@@ -789,6 +890,7 @@ SECTIONS = (
     "density",
     "storm",
     "crio",
+    "dbus",
 )
 
 
@@ -818,13 +920,48 @@ def main() -> None:
         "density": section_density,
         "storm": section_storm,
         "crio": section_crio,
+        "dbus": section_dbus,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:
             lines += section(args.quick)
+    if args.only and args.output.exists():
+        # a partial run replaces its own sections in the existing file and keeps the others
+        note = (
+            f"Section regenerated {started} with `./dev bench --only {' --only '.join(args.only)}`."
+        )
+        lines = merge_sections(args.output.read_text(), lines, note)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def merge_sections(existing: str, fresh: list[str], note: str) -> list[str]:
+    """``existing`` with each ``## `` section of ``fresh`` (after its preamble) put in place of
+    the section of the same title, or appended; each replaced section says when it was run."""
+
+    def split(lines: list[str]) -> tuple[list[str], list[list[str]]]:
+        preamble: list[str] = []
+        parts: list[list[str]] = []
+        for line in lines:
+            if line.startswith("## "):
+                parts.append([line])
+            elif parts:
+                parts[-1].append(line)
+            else:
+                preamble.append(line)
+        return preamble, parts
+
+    preamble, old = split(existing.split("\n"))
+    _, new = split(fresh)
+    titles = [part[0] for part in old]
+    for part in new:
+        part = [part[0], "", note, *part[1:]]
+        if part[0] in titles:
+            old[titles.index(part[0])] = part
+        else:
+            old.append(part)
+    return preamble + [line for part in old for line in part]
 
 
 if __name__ == "__main__":

@@ -357,3 +357,22 @@ def test_an_earmarked_pod_moves_the_shared_containers_when_it_starts(containerd,
     assert host.cpus_allowed_list(cri.inspect(cid).pid) == ALL
     assert "earmarks" not in settled_state(daemon.state_dir)
     check_agreement(daemon, cri)
+
+
+def test_a_pod_removed_after_a_runtime_restart_gives_its_earmark_back(containerd, cri, daemon):
+    """containerd keeps no NRI state for the sandboxes it finds when it starts, and relays no
+    StopPodSandbox/RemovePodSandbox for them (its ``needsStopping``/``needsRemoval``): a
+    Guaranteed pod earmarked before the restart and removed after it, before any of its
+    containers was created, must still give its CPU back to the shared containers."""
+    shared = cri.run("s", [burstable("w")])["w"]
+    pid = cri.inspect(shared).pid
+    spec = guaranteed("pinned", command=FIRST_LINE)
+    pod_id = cri.run_pod(PodSpec.for_containers("exclusive", [spec]))
+    assert host.cpus_allowed_list(pid) == "0"  # CPU 1 earmarked
+    containerd.restart()  # the daemon reconnects: Synchronize lists the pod
+    wait_for("the daemon to resynchronize", lambda: daemon.records("synchronize"), 20)
+    cri.stop_pod(pod_id)
+    cri.remove_pod(pod_id)
+    wait_for("the earmark to be given back", lambda: host.cpus_allowed_list(pid) == ALL, 20)
+    assert "earmarks" not in settled_state(daemon.state_dir)
+    check_agreement(daemon, cri)

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, NamedTuple
 
-from . import debs
+from . import debs, host
 from .k8s import (
     BESTEFFORT,
     BURSTABLE,
@@ -335,8 +335,12 @@ class CRIClient:
         self.call("StopPodSandbox", self.pb.StopPodSandboxRequest(pod_sandbox_id=pod_id))
 
     def remove_pod(self, pod_id: str) -> None:
+        """RemovePodSandbox, then the pod's cgroup goes, as kubelet removes it (the runtime
+        leaves the cgroups above its containers' alone)."""
         self.call("RemovePodSandbox", self.pb.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
-        self._pods.pop(pod_id, None)
+        config = self._pods.pop(pod_id, None)
+        if config is not None and config.linux.cgroup_parent.startswith("/"):
+            host.remove_cgroup(config.linux.cgroup_parent)
 
     def pod_status(self, pod_id: str) -> dict[str, Any]:
         """PodSandboxStatus(verbose) as a dict: ``status`` plus containerd's parsed ``info``."""

@@ -75,6 +75,17 @@ def cgroup_dir(cgroup_path: str, controller: str = "cpuset") -> Path:
     return hierarchies[controller] / cgroup_path.lstrip("/")
 
 
+def remove_cgroup(cgroup_path: str) -> None:
+    """Remove a cgroupfs path from every hierarchy it is in (as kubelet removes a pod's cgroup
+    once the pod is gone); one still in use (EBUSY) or already gone is left as it is."""
+    for mount in set(cgroup_hierarchies().values()):
+        directory = mount / cgroup_path.lstrip("/")
+        try:
+            directory.rmdir()
+        except OSError:
+            continue
+
+
 def read_cgroup(cgroup_path: str, file: str, controller: str | None = None) -> str:
     """One cgroup file's content, stripped; the controller defaults to the file's prefix
     (``cpuset.cpus`` -> cpuset)."""

@@ -183,3 +183,86 @@ def test_real_machine_topology():
     online = Path("/sys/devices/system/cpu/online").read_text().strip()
     doc = json.loads(result.stdout)
     assert str(CPUSet(c["id"] for c in doc["cpus"] if c["online"])) == online
+
+
+# --- exit statuses and messages, in process (README.md, "Commands") ---------------------------
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``nri-cpuplugin ARGS`` in this process: (exit status, stdout, stderr)."""
+    from nri_cpuplugin.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("count", "message"),
+    [
+        ("-1", "argument --count: -1 is negative; expected 0 or more CPUs"),
+        ("two", "argument --count: 'two' is not a whole number"),
+        ("1.5", "argument --count: '1.5' is not a whole number"),
+    ],
+)
+def test_allocate_bad_count_is_bad_input(epyc, capsys, count, message):
+    root, _ = epyc
+    args = ("allocate", "--sysfs", str(root), "--available", "0-127", "--count", count)
+    code, out, err = run_main(capsys, *args)
+    assert (code, out) == (2, "") and message in err
+
+
+def test_allocate_that_cannot_be_met_exits_1_with_one_line(epyc, capsys):
+    root, _ = epyc
+    args = ("allocate", "--sysfs", str(root), "--available", "0-3", "--count", "5")
+    code, out, err = run_main(capsys, *args)
+    assert (code, out) == (1, "")
+    assert err == "nri-cpuplugin: cannot allocate 5 CPUs: only 4 available (0-3)\n"
+
+
+def test_status_without_a_state_file_names_it_once(tmp_path, capsys):
+    code, out, err = run_main(capsys, "status", "--state-dir", str(tmp_path))
+    path = tmp_path / "state.json"
+    assert code == 1 and err == ""
+    assert out == f"no state file at {path} (first start, or it was removed)\n"
+    assert out.count(str(path)) == 1
+
+
+def test_status_of_a_missing_state_directory_exits_1(tmp_path, capsys):
+    code, out, _ = run_main(capsys, "status", "--state-dir", str(tmp_path / "none"), "--json")
+    report = json.loads(out)
+    assert code == 1 and report["state"] == "missing"
+
+
+def test_topology_of_a_directory_that_is_no_sysfs_is_bad_input(tmp_path, capsys):
+    code, out, err = run_main(capsys, "topology", "--sysfs", str(tmp_path))
+    assert (code, out) == (2, "") and "a sysfs root?" in err
+
+
+def test_install_hook_where_it_cannot_write_is_bad_input(tmp_path, capsys):
+    code, out, err = run_main(
+        capsys, "install-hook", "--path", str(tmp_path / "no-such-dir" / "hook")
+    )
+    assert (code, out) == (2, "") and err.startswith("nri-cpuplugin: ") and err.count("\n") == 1
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from nri_cpuplugin.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{name} {'/'.join(action.option_strings)}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if action.option_strings and not action.help
+    ]
+    assert missing == []
+    # and each command says its exit statuses (README.md, "Commands", says the same)
+    helped = {name for name, sub in commands.choices.items() if "Exit status" in (sub.epilog or "")}
+    assert helped == set(commands.choices) - {"hook"}  # hook --help is the hook's own (USAGE)

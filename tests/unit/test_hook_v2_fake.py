@@ -354,9 +354,9 @@ def test_a_container_that_was_exclusive_gets_its_parent_memory_nodes_back(node: 
     records = {"db": Record(workload, cgroupfs.ContainerCgroups(cgroup, cgroup))}
     requested = {"db": state.shared}
     with node.fake.fs() as fs:
-        written = apply_targets(fs, engine, state, records, requested, None, lambda _: None)
+        written, _ = apply_targets(fs, engine, state, records, requested, None, lambda _: None)
         assert written == [] and node.fake.read(cgroup, "cpuset.mems") == "0"  # shared before
-        written = apply_targets(
+        written, _ = apply_targets(
             fs, engine, state, records, requested, None, lambda _: None, was_exclusive={"db"}
         )
     assert written == [f"db={state.shared}"]

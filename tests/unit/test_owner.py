@@ -88,15 +88,22 @@ def test_a_probe_never_blocks_a_daemon_for_long(state_dir: tuple[str, int]) -> N
 
     probe = os.open(os.path.join(path, owner.DAEMON_FILE), os.O_RDONLY)
     fcntl.flock(probe, fcntl.LOCK_SH)  # a probe caught in the middle
-
-    def release_soon() -> None:
-        time.sleep(0.1)
-        os.close(probe)
-
     import threading
 
-    threading.Thread(target=release_soon).start()
-    os.close(owner.claim(fd, path, wait=2.0))
+    claiming, released = threading.Event(), threading.Event()
+
+    def release_once_claiming() -> None:
+        claiming.wait(30)
+        time.sleep(0.05)  # (most likely inside claim's wait by then; either order is correct)
+        os.close(probe)
+        released.set()
+
+    thread = threading.Thread(target=release_once_claiming)
+    thread.start()
+    claiming.set()
+    os.close(owner.claim(fd, path, wait=30.0))  # a bound no busy machine reaches
+    assert released.is_set()  # the claim went through only once the probe was done
+    thread.join()
 
 
 def test_a_link_in_place_of_the_claim_file_is_refused(

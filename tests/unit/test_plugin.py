@@ -1,45 +1,45 @@
-"""The plugin's NRI handlers, called with real NRI messages, on a generated 48-CPU topology."""
+"""The daemon's NRI handlers (the adapter of the composition ``run`` builds), called with real
+NRI messages, on a generated 48-CPU topology."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
+from daemon_driver import Driver, Records
 from fake_cgroup_v2 import FakeV2
 from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import PolicyError
-from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.daemon import events as ev
+from nri_cpuplugin.hardware.liveness import Liveness
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import ConfigError, Settings
 
 P = CPUSet.parse
 
 
-def configure(plugin: CPUPlugin, config: str, runtime: str, version: str) -> None:
-    asyncio.run(plugin.configure(config, runtime, version))
+def actions(records: Records) -> list[str]:
+    return [r["ACTION"] for r in records]
 
 
-class Records(list):
-    def __call__(self, record):
-        self.append(record)
-
-    def actions(self):
-        return [r["ACTION"] for r in self]
+def restart(plugin: Driver, records: Records | None = None) -> Driver:
+    """A new daemon on the same state directory (kill -9 and restart): the old one's claim
+    goes with it."""
+    plugin.close()
+    return Driver(plugin.node.file_settings, records)
 
 
 @pytest.fixture
 def node(tmp_path):
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
-    records = Records()
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
-    plugin = CPUPlugin(settings, Audit(records))
-    configure(plugin, "", "containerd", "v2.1.9")
-    return plugin, records
+    plugin = Driver(settings)
+    plugin.configure()
+    yield plugin, plugin.records
+    plugin.close()
 
 
 def cpu_of(message) -> tuple[str, str, int | None]:
@@ -57,7 +57,7 @@ def test_exclusive_container_is_born_pinned_and_siblings_shrink_in_the_same_repl
     assert [(u.container_id[:5], cpu_of(u), u.ignore_failure) for u in updates] == [
         ("nginx", ("0,2-24,26-47", "", None), True)
     ]
-    assert "allocate" in records.actions() and "shared-resize" in records.actions()
+    assert "allocate" in actions(records) and "shared-resize" in actions(records)
     allocate = next(r for r in records if r["ACTION"] == "allocate")
     assert allocate["CPUS"] == "1,25" and allocate["POD_NAME"] == "db"
 
@@ -98,7 +98,7 @@ def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
     db = pod("db")
     ctr = container("postgres", db, 2000)
     plugin.create_container(db, ctr)
-    mine, sibling = plugin.update_container(db, ctr, resources(4000))
+    sibling, mine = plugin.update_container(db, ctr, resources(4000))
     assert cpu_of(mine) == ("1-2,25-26", "0", -1) and not mine.ignore_failure
     assert sibling.ignore_failure and not set(CPUSet.parse(sibling.linux.resources.cpu.cpus)) & {
         1,
@@ -106,17 +106,17 @@ def test_in_place_resize_grows_shrinks_and_is_refused_when_it_cannot_grow(node):
         25,
         26,
     }
-    assert records.actions()[-2:] == ["resize", "shared-resize"]
-    [mine, sibling] = plugin.update_container(db, ctr, resources(2000))
+    assert actions(records)[-2:] == ["resize", "shared-resize"]
+    [sibling, mine] = plugin.update_container(db, ctr, resources(2000))
     assert cpu_of(mine)[0] == "1,25"  # back on the CPUs it started with
     with pytest.raises(PolicyError, match="asks to grow from 2 to 48"):
         plugin.update_container(db, ctr, resources(48000))
-    assert records.actions()[-1] == "refuse"
+    assert actions(records)[-1] == "refuse"
     assert plugin.state.assignments[ctr.id].cpus == P("1,25")  # nothing changed
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
-    restarted.load_state()
+    restarted = restart(plugin)
+    restarted.daemon.load_state()
     assert restarted.state.assignments[ctr.id].cpus == P("1,25")
+    restarted.close()
 
 
 def test_a_container_resized_from_exclusive_to_shared_gets_the_node_memory_nodes_back(
@@ -129,8 +129,8 @@ def test_a_container_resized_from_exclusive_to_shared_gets_the_node_memory_nodes
     plugin, _ = node
     fake = FakeV2(tmp_path / "fake-cgroup2")
     fake.mk("kubepods/poddb", mems_effective="1")
-    plugin.liveness.root = str(fake.root)
-    assert plugin.liveness.layout() is not None
+    plugin.node.liveness.root = str(fake.root)
+    assert plugin.node.liveness.layout() is not None
     db = pod("db")
     ctr = container("postgres", db, 2000)
     ctr.linux.cgroups_path = "/kubepods/poddb/postgres"
@@ -173,9 +173,9 @@ def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     # The fixture's plugin starts from an empty state and so reads the *host's* cgroups for
     # CPUs pinned by running containers (liveness.pinned_cpus); other containers pinned on
     # this machine would move the CPUs chosen below.
-    plugin.pinned = CPUSet()
+    plugin.node.pinned = CPUSet()
     pushed = []  # unsolicited UpdateContainers: never sent, they can deadlock the runtime
-    plugin.stub = type(
+    plugin.daemon.stub = type(
         "Stub", (), {"schedule_update_containers": lambda _, u, done: pushed.extend(u)}
     )()
     db = pod("db")
@@ -218,8 +218,8 @@ def test_a_container_created_with_an_old_pool_is_moved_before_it_starts(node, mo
     cgroup to write.  At its StartContainer (cgroup created, nothing run yet) it is written;
     a container whose spec says what we would write costs nothing."""
     plugin, records = node
-    written = []
-    monkeypatch.setattr(plugin, "_write_followers", lambda targets: written.extend(targets) or [])
+    written = []  # what reaches the cgroups (this generated tree has none to write)
+    monkeypatch.setattr(plugin.node.writer, "write", lambda targets: written.extend(targets) or [])
     web = pod("web", "burstable")
     nginx = container("nginx", web, 500)
     adjust, _ = plugin.create_container(web, nginx)
@@ -264,13 +264,13 @@ def test_state_survives_a_restart_and_restarted_container_keeps_its_cpus(node, t
     adjust, _ = plugin.create_container(db, first)
     plugin.stop_container(db, first)
     # a new daemon on the same state directory (kill -9 and restart)
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    again = CPUPlugin(plugin.file_settings, Audit(Records()))
-    configure(again, "", "containerd", "v1.7.24")
+    again = restart(plugin)
+    again.configure(version="v1.7.24")
     restarted = container("postgres2", db, 2000)
     restarted.name = "postgres"  # same pod and name, new id
     adjust2, _ = again.create_container(db, restarted)
     assert adjust2.linux.resources.cpu.cpus == adjust.linux.resources.cpu.cpus
+    again.close()
 
 
 def test_synchronize_rebuilds_and_returns_updates_for_everyone(node):
@@ -286,7 +286,7 @@ def test_synchronize_rebuilds_and_returns_updates_for_everyone(node):
     got = {u.container_id[:8]: cpu_of(u)[0] for u in updates}
     assert got == {"pinned00": "7,31", "unpinned": "1", "shared00": "0,2-6,8-30,32-47"}
     notes = [r["MESSAGE"] for r in records if r["ACTION"] == "reconcile"]
-    assert any("adopted 7,31" in n for n in notes) and "synchronize" in records.actions()
+    assert any("adopted 7,31" in n for n in notes) and "synchronize" in actions(records)
 
 
 def test_synchronize_leaves_out_what_the_runtime_says_already(node):
@@ -313,45 +313,27 @@ def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
     state_file = tmp_path / "state" / "state.json"
     state_file.write_text('{"version": 1, "truncated')
     records = Records()
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    again = CPUPlugin(plugin.file_settings, Audit(records))
-    configure(again, "", "containerd", "v2.1.9")
-    assert records.actions()[0] == "state-rebuild"
+    again = restart(plugin, records)
+    again.configure()
+    assert actions(records)[0] == "state-rebuild"
     assert list((tmp_path / "state").glob("state.json.bad-*"))
     assert json.loads(state_file.read_text())["assignments"] == {}
+    again.close()
 
 
 def test_runtime_config_string_is_applied_and_flags_win(tmp_path):
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "a"))
-    plugin = CPUPlugin(settings, Audit(Records()), {"policy_options": ("full-pcpus-only",)})
-    configure(plugin, 'reserved_cpus = "0-1,24-25"\npolicy_options = []', "containerd", "v1.7")
-    assert plugin.policy.reserved == P("0-1,24-25")
-    assert plugin.policy.options == {"full-pcpus-only"}
+    plugin = Driver(settings, flags={"policy_options": ("full-pcpus-only",)})
+    plugin.configure('reserved_cpus = "0-1,24-25"\npolicy_options = []', version="v1.7")
+    assert plugin.node.policy.reserved == P("0-1,24-25")
+    assert plugin.node.policy.options == {"full-pcpus-only"}
     with pytest.raises(ConfigError, match="unknown key 'reserve_cpus'"):
-        configure(plugin, "reserve_cpus = 2", "containerd", "v1.7")
+        plugin.configure("reserve_cpus = 2", version="v1.7")
+    plugin.close()
 
 
-class CountingLiveness:
-    """Liveness that says every container still runs, counting how often it was asked."""
-
-    root = "/nonexistent"  # no cgroups to write
-
-    def __init__(self) -> None:
-        self.asked = 0
-
-    def alive(self, runtime_path: str) -> bool:
-        self.asked += 1
-        return True
-
-    def layout(self) -> None:
-        return None  # no cgroups to write
-
-    def cpus(self, runtime_path: str) -> None:
-        return None
-
-
-def test_unverified_containers_cost_a_creation_nothing(node, tmp_path):
+def test_unverified_containers_cost_a_creation_nothing(node, tmp_path, monkeypatch):
     """1,000 containers known only from the state file (a restart without Synchronize): a
     creation does not check their cgroups; the sweep checks them a batch at a time."""
     plugin, _ = node
@@ -360,43 +342,36 @@ def test_unverified_containers_cost_a_creation_nothing(node, tmp_path):
         c = container(f"old{i:04d}x", p, 100)
         c.linux.cgroups_path = f"/kubepods/burstable/pod{i}/{c.id}"
         plugin.create_container(p, c)
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    restarted = CPUPlugin(plugin.file_settings, Audit(Records()))
-    restarted.load_state()
-    assert len(restarted.unverified) == 1000
-    restarted.liveness = counting = CountingLiveness()
+    restarted = restart(plugin)
+    restarted.daemon.load_state()
+    assert len(restarted.node.unverified) == 1000
+    asked = []  # every container still runs
+    monkeypatch.setattr(Liveness, "alive", lambda self, path: asked.append(path) or True)
     for name, milli in (("web", 500), ("db", 2000)):
         p = pod(name, "burstable" if milli < 1000 else "guaranteed")
         restarted.create_container(p, container(name, p, milli))
-    assert counting.asked == 0
-    with restarted.store.locked():
-        restarted._forget_ended(limit=32)
-        restarted._forget_ended(limit=32)
-    assert counting.asked == 64  # in turn: the second batch is not the first one again
-    assert len(restarted.unverified) == 1000  # alive: still watched
+    assert asked == []
+    restarted.submit(ev.SweepRound())
+    restarted.submit(ev.SweepRound())
+    assert len(asked) == 64 and len(set(asked)) == 64  # in turn: not the first batch again
+    assert len(restarted.node.unverified) == 1000  # alive: still watched
+    restarted.close()
 
 
-def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node):
+def test_an_ended_exclusive_holder_is_found_when_its_cpus_are_needed(node, monkeypatch):
     plugin, records = node
     big = pod("big")
     c = container("big", big, 44000)  # every CPU but the reserved ones and one core
     c.linux.cgroups_path = "/kubepods/podbig/big"
     plugin.create_container(big, c)
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    restarted = CPUPlugin(plugin.file_settings, Audit(records))
-    restarted.load_state()
-
-    class Ended:
-        root = "/nonexistent"
-
-        def alive(self, runtime_path: str) -> bool:
-            return runtime_path != "/kubepods/podbig/big"
-
-    restarted.liveness = Ended()
+    restarted = restart(plugin, records)
+    restarted.daemon.load_state()
+    monkeypatch.setattr(Liveness, "alive", lambda self, path: path != "/kubepods/podbig/big")
     db = pod("db")
     adjust, _ = restarted.create_container(db, container("postgres", db, 4000))
     assert adjust.linux.resources.cpu.cpus  # placed, on CPUs the ended container held
     assert "big" not in "".join(restarted.state.assignments)
+    restarted.close()
 
 
 def test_followers_are_written_directly_on_a_fake_cgroup_v2_tree(tmp_path):
@@ -410,8 +385,8 @@ def test_followers_are_written_directly_on_a_fake_cgroup_v2_tree(tmp_path):
     fake = FakeV2(root / "fs" / "cgroup")
     (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
-    plugin = CPUPlugin(settings, Audit(Records()))
-    configure(plugin, "", "containerd", "v2.1.9")
+    plugin = Driver(settings)
+    plugin.configure()
     web = pod("web", "burstable")
     written, refused, unit = (container(n, web, 500) for n in ("written", "refused", "unit"))
     written.linux.cgroups_path = "/kubepods/burstable/podweb/written"
@@ -433,3 +408,4 @@ def test_followers_are_written_directly_on_a_fake_cgroup_v2_tree(tmp_path):
     late = container("late", web, 100)
     _, updates = plugin.create_container(web, late)
     assert list(updates) == []  # nothing owed: the runtime had it with the answer
+    plugin.close()

@@ -4,6 +4,7 @@ real containerd cannot be made to produce on demand; the real ones are in tests/
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from nri_cpuplugin.nri.handlers import (
     runtime_nri,
 )
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.nri.stub import Stub
+from nri_cpuplugin.nri.stub import RECONNECT_MIN, Stub
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
@@ -65,6 +66,19 @@ class Recorder:
 
     def remove_pod_sandbox(self, pod):
         self.seen.append(("remove-pod", pod.id))
+
+
+def record_pauses(stub: Stub) -> list[float]:
+    """The stub's pauses between connection attempts, recorded and not waited out (a test
+    asserts the backoff, not the clock)."""
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        await asyncio.sleep(0)
+
+    stub._sleep_unless_stopped = pause
+    return pauses
 
 
 def run(test: Callable[[Path], Awaitable[None]], tmp_path: Path) -> None:
@@ -204,10 +218,25 @@ def test_slow_handler_gets_an_error_before_the_runtime_deadline(tmp_path, monkey
         stop = pb.StopContainerRequest(pod=req().pod, container=req(name="slow").container)
         reply = await runtime.call("StopContainer", stop)
         assert reply.code == 4 and "did not finish within 0.20s" in reply.message
-        assert loop.time() - started < 1.0
+        assert loop.time() - started < 2.0  # the runtime's own deadline, not the handler's 10 s
         await shutdown(runtime, stub, task)
 
     run(test, tmp_path)
+
+
+def test_a_stop_of_our_own_is_not_logged_as_the_runtime_closing_the_socket(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=stub_module.log.name)
+
+    async def test(path):
+        runtime, stub, _, task = await connected(path)
+        stub.stop()  # what SIGTERM from the service manager does
+        await asyncio.wait_for(task, 5)
+        await runtime.close()
+
+    run(test, tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.name == stub_module.log.name]
+    assert "NRI connection closed: stopping" in messages
+    assert not [m for m in messages if m.startswith("NRI connection ended")]
 
 
 def test_unsolicited_update_is_refused_inside_handler_and_sent_after(tmp_path):
@@ -248,8 +277,11 @@ def test_daemon_waits_for_a_runtime_that_is_not_there_yet(tmp_path):
     async def test(path):
         plugin = Recorder()
         stub = Stub(plugin, "cpuplugin", "50", socket_path=str(path))
+        pauses = record_pauses(stub)
         task = asyncio.create_task(stub.run())
-        await asyncio.sleep(0.3)  # nothing listens yet: the stub keeps retrying
+        while len(pauses) < 3:  # nothing listens yet: the stub keeps retrying, backing off
+            await asyncio.sleep(0)
+        assert pauses[:3] == [RECONNECT_MIN, 2 * RECONNECT_MIN, 4 * RECONNECT_MIN]
         runtime = FakeRuntime(path)
         await runtime.start()
         await asyncio.wait_for(stub.connected.wait(), 5)
@@ -350,6 +382,7 @@ def test_configure_asking_for_unhandled_events_is_refused(tmp_path, wanted, mess
         await runtime.start()
         stub = Stub(Narrowing(wanted), "cpuplugin", "50", socket_path=str(path))
         stub.plugin.wanted = [wanted] * 100  # refuse on every connection
+        pauses = record_pauses(stub)
         task = asyncio.create_task(stub.run())
         while runtime.configure_reply is None:
             await asyncio.sleep(0.01)
@@ -357,10 +390,11 @@ def test_configure_asking_for_unhandled_events_is_refused(tmp_path, wanted, mess
         assert runtime.configure_reply.message.startswith("cpuplugin: ")
         assert message in runtime.configure_reply.message
         assert not runtime.registered.is_set()
-        # The stub keeps trying (the runtime's config may change), backing off: 0.1 + 0.2 +
-        # 0.4 s of pauses, where a fixed 50 ms retry would have made ten connections.
-        await asyncio.sleep(0.5)
-        assert runtime.connections <= 4
+        # The stub keeps trying (the runtime's config may change), backing off rather than
+        # retrying the same failure every 50 ms: each refused connection doubles the pause.
+        while len(pauses) < 3:
+            await asyncio.sleep(0)
+        assert pauses[:3] == [2 * RECONNECT_MIN, 4 * RECONNECT_MIN, 8 * RECONNECT_MIN]
         await shutdown(runtime, stub, task)
 
     run(test, tmp_path)

@@ -1,0 +1,97 @@
+"""The daemon as ``nri-cpuplugin run`` builds it (daemon/service.py), driven by tests.
+
+``Driver`` calls the NRI adapter's handlers - the very methods the stub calls - one at a time
+on one event loop of its own, and waits on conditions (the worker idle), never on time.  The
+runtime is what the test plays; cgroupfs is whatever the settings' sysfs tree holds (a
+generated tree has none, or tests/fake_cgroup_v2.py's FAKE one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from nri_cpuplugin.daemon.service import Daemon
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+from nri_cpuplugin.storage.store import StateStore
+
+
+class Records(list):
+    """Audit records, as the journal would get them."""
+
+    def __call__(self, record: dict) -> None:
+        self.append(record)
+
+    def of(self, action: str) -> list[dict]:
+        return [r for r in self if r["ACTION"] == action]
+
+
+class Driver:
+    """Synchronous calls into an asynchronous daemon: ``driver.create_container(pod, c)``
+    returns what the stub would send back (or raises what the stub answers as an error), once
+    the daemon is idle again (what it does after a reply - commit, audit - is done too)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        records: Records | None = None,
+        flags: dict | tuple = (),
+        **options: Any,
+    ) -> None:
+        self.records = Records() if records is None else records
+        self.daemon = Daemon(settings, Audit(self.records), flags, **options)
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        handler = getattr(self.daemon.adapter, name)
+
+        def call(*args: Any) -> Any:
+            try:
+                result = handler(*args)
+                if asyncio.iscoroutine(result):
+                    result = self.run(result)
+            finally:
+                self.settle()
+            return result
+
+        return call
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def configure(self, config: str = "", runtime: str = "containerd", version: str = "v2.1.9"):
+        return self.run(self.daemon.adapter.configure(config, runtime, version))
+
+    def submit(self, event: object) -> None:
+        """One of the daemon's own events (hotplug, the sweep), as its sources submit them,
+        run to its end."""
+
+        async def submit() -> None:
+            self.daemon.deadline.submit(event)
+
+        self.run(submit())
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait until every event queued so far (late work, background events) has run."""
+        assert self.run(self.daemon.drain(timeout=30)), "the worker did not settle in 30 s"
+
+    @property
+    def node(self) -> Any:
+        return self.daemon.node
+
+    @property
+    def state(self) -> Any:
+        return self.daemon.node.state
+
+    @property
+    def settings(self) -> Settings:
+        return self.daemon.node.settings
+
+    def on_disk(self) -> Any:
+        return StateStore(self.settings.state_dir).peek().state
+
+    def close(self) -> None:
+        self.daemon.release_claim()
+        self.loop.close()

@@ -1,0 +1,229 @@
+"""The daemon with containers of the systemd cgroup driver: every cpuset change it makes to
+them goes to systemd too (the scope's AllowedCPUs/AllowedMemoryNodes, daemon/units.py), so
+no reply has to carry them (no ``runc update`` per shared container) and systemd keeps them.
+
+A real dbus-daemon with a FAKE systemd on it (tests/fake_systemd.py: systemd cannot be PID 1 on
+this host) and a FAKE cgroup v2 tree below the generated sysfs; the real systemd is tested in
+the QEMU guest (tests/guest/)."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import pytest
+from daemon_driver import Driver
+from fake_cgroup_v2 import FakeV2
+from fake_systemd import FakeSystemd, PrivateBus
+from nri_messages import container, pod
+from topologies import build
+
+from nri_cpuplugin.hook import entry as hook
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+
+POOL = "0,2-24,26-47"  # once CPUs 1 and 25 are exclusive
+
+
+def guaranteed_pod(name: str, milli: int):
+    """A Guaranteed pod whose sandbox carries its CPU limit, as kubelet sends it."""
+    sandbox = pod(name)
+    cpu = sandbox.linux.pod_resources.cpu
+    cpu.shares.value = milli * 1024 // 1000
+    cpu.period.value, cpu.quota.value = 100000, milli * 100
+    return sandbox
+
+
+@pytest.fixture
+def systemd() -> Iterator[tuple[PrivateBus, FakeSystemd]]:
+    with PrivateBus() as bus, FakeSystemd(bus) as fake:
+        yield bus, fake
+
+
+def node(tmp_path, bus: str, **settings) -> tuple[Driver, FakeV2]:
+    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
+    (root / "fs").mkdir()
+    fake = FakeV2(root / "fs" / "cgroup")
+    (fake.root / "cpuset.cpus.effective").write_text("0-47\n")
+    base = Settings(
+        sysfs=str(root),
+        state_dir=str(tmp_path / "state"),
+        reserved_cpu_count=2,
+        systemd_bus=bus,
+        **settings,
+    )
+    plugin = Driver(base)
+    plugin.configure()
+    plugin.synchronize([], [])  # the runtime lists its containers: the usual connection
+    return plugin, fake
+
+
+def scope(fake: FakeV2, ctr, slice_: str, effective: str, **files: str) -> str:
+    """``ctr`` as the systemd driver places it; its scope's cgroup in the fake tree (whose
+    effective sets are what the test says the kernel will apply)."""
+    ctr.linux.cgroups_path = f"{slice_}:cri-containerd:{ctr.id}"
+    parts = slice_.removesuffix(".slice").split("-")
+    slices = ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
+    path = "/".join([*slices, f"cri-containerd-{ctr.id}.scope"])
+    fake.mk(path, effective=effective, **files)
+    return path
+
+
+def test_a_shared_container_moves_through_systemd_and_no_reply_carries_it(tmp_path, systemd):
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    path = scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
+    plugin.create_container(web, nginx)
+    plugin.start_container(web, nginx)
+    db = pod("db")
+    adjust, updates = plugin.create_container(db, container("pg", db, 2000))
+    assert adjust.linux.resources.cpu.cpus == "1,25"
+    assert list(updates) == []  # no runc update for the shared container
+    assert fake.read(path, "cpuset.cpus") == POOL
+    *_, call = [c for c in fake_systemd.calls() if c["unit"] == f"cri-containerd-{nginx.id}.scope"]
+    assert call["runtime"] is True and call["properties"][0][0] == "AllowedCPUs"
+    mask = int.from_bytes(bytes.fromhex(call["properties"][0][2]), "little")
+    assert {cpu for cpu in range(48) if mask >> cpu & 1} == set(range(48)) - {1, 25}
+    plugin.close()
+
+
+def test_pinning_at_start_serves_the_systemd_driver(tmp_path, systemd):
+    """``[nri] pin_at = "start"`` writes the container's own cgroup: with systemd reachable it
+    sets the scope's properties too, so it is served, not refused."""
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket, nri_pin_at="start")
+    db = guaranteed_pod("db", 2000)
+    pg = container("pg", db, 2000)
+    path = scope(fake, pg, "kubepods-poddb.slice", effective="1,25", mems_effective="0")
+    plugin.run_pod_sandbox(db)
+    plugin.start_container(db, pg)
+    assert fake.read(path, "cpuset.cpus") == "1,25"
+    [call] = [c for c in fake_systemd.calls() if c["unit"] == f"cri-containerd-{pg.id}.scope"]
+    assert [name for name, _, _ in call["properties"]] == ["AllowedCPUs", "AllowedMemoryNodes"]
+    assert plugin.state.assignments[pg.id].cpus == {1, 25}
+    plugin.close()
+
+
+def test_what_systemd_does_not_take_the_runtime_applies(tmp_path, systemd):
+    """A unit systemd refuses (here: the FAKE's ``-denied`` name) goes into the reply, for the
+    runtime's own ``runc update``; said once."""
+    bus, _ = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    nginx.id = "nginx-denied"
+    scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
+    plugin.create_container(web, nginx)
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))
+    assert [(u.container_id, u.linux.resources.cpu.cpus) for u in updates] == [
+        ("nginx-denied", POOL)
+    ]
+    [warning] = plugin.records.of("systemd")
+    assert warning["REASON"] == "denied"
+    plugin.close()
+
+
+def test_without_systemd_the_runtime_applies_as_before(tmp_path):
+    """No bus (``[systemd] bus = "off"``, or none found): systemd-driver containers are moved
+    by the runtime, through the replies."""
+    plugin, fake = node(tmp_path, "off")
+    assert plugin.daemon.node.writer.units is None
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
+    plugin.create_container(web, nginx)
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))
+    assert [u.container_id for u in updates] == [nginx.id]
+    plugin.close()
+
+
+# --- the OCI hook (CRI-O with cgroup_manager = "systemd") -----------------------------------------
+
+
+class HookNode:
+    """The hook in process on a FAKE cgroup v2 tree whose containers are systemd scopes, a fake
+    /proc and a generated 48-CPU sysfs (as tests/unit/test_hook_v2_fake.py, with CRI-O's
+    systemd-driver names)."""
+
+    def __init__(self, tmp_path, bus: str) -> None:
+        self.sysfs, _ = build("xeon-e5-2680v3-2s", tmp_path)
+        self.fake = FakeV2(tmp_path / "fake-cgroup2")
+        self.proc = tmp_path / "fake-proc"
+        self.bundles = tmp_path / "bundles"
+        self.state_dir = tmp_path / "state"
+        self.bus = bus
+        self.records: list[dict[str, str]] = []
+        self.pid = 1000
+
+    def container(self, cid: str, slice_: str, milli: int, pod: str, **effective: str) -> str:
+        parts = slice_.removesuffix(".slice").split("-")
+        slices = ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
+        cgroup = "/" + "/".join([*slices, f"crio-{cid}.scope"])
+        self.fake.mk(cgroup, cpu_max=f"{milli * 100} 100000", **effective)
+        self.pid += 1
+        (self.proc / str(self.pid)).mkdir(parents=True)
+        (self.proc / str(self.pid) / "cgroup").write_text(f"0::{cgroup}\n")
+        bundle = self.bundles / cid
+        bundle.mkdir(parents=True)
+        annotations = {
+            "io.kubernetes.pod.uid": pod,
+            "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": "ns",
+            "io.kubernetes.container.name": cid,
+        }
+        cpu = {"shares": max(2, milli * 1024 // 1000), "quota": milli * 100, "period": 100000}
+        (bundle / "config.json").write_text(
+            json.dumps({"annotations": annotations, "linux": {"resources": {"cpu": cpu}}})
+        )
+        return cgroup
+
+    def hook(self, cid: str) -> int:
+        state = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": self.pid}
+        state["bundle"] = str(self.bundles / cid)
+        settings = Settings(
+            sysfs=str(self.sysfs),
+            state_dir=str(self.state_dir),
+            reserved_cpu_count=2,
+            systemd_bus=self.bus,
+        )
+        options = hook.Options(cgroup_root=str(self.fake.root), proc=str(self.proc))
+        stdin = io.BytesIO(json.dumps(state).encode())
+        self.err = io.StringIO()
+        return hook.run(settings, options, stdin, self.err, Audit(self.records.append))
+
+
+def test_the_hook_keeps_its_cpusets_in_the_scopes_properties(tmp_path, systemd):
+    bus, fake_systemd = systemd
+    node = HookNode(tmp_path, bus.socket)
+    web = node.container("nginx", "kubepods-burstable-podweb.slice", 500, "web", effective="0-47")
+    assert node.hook("nginx") == 0, node.err.getvalue()
+    # What the kernel will report once the shared container shrinks.
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text(POOL)
+    db = node.container(
+        "pg", "kubepods-poddb.slice", 2000, "db", effective="1,25", mems_effective="0"
+    )
+    assert node.hook("pg") == 0, node.err.getvalue()
+    assert node.fake.read(db, "cpuset.cpus") == "1,25"
+    units = {c["unit"]: c["properties"] for c in fake_systemd.calls()}
+    assert units["crio-pg.scope"] == [
+        ["AllowedCPUs", "ay", "02000002"],
+        ["AllowedMemoryNodes", "ay", "01"],
+    ]
+    mask = int.from_bytes(bytes.fromhex(units["crio-nginx.scope"][0][2]), "little")
+    assert {cpu for cpu in range(48) if mask >> cpu & 1} == set(range(48)) - {1, 25}
+    assert not [r for r in node.records if r["ACTION"] == "systemd"]
+
+
+def test_the_hook_says_when_systemd_did_not_take_a_cpuset(tmp_path, systemd):
+    bus, _ = systemd
+    node = HookNode(tmp_path, bus.socket)
+    node.container("pg-denied", "kubepods-poddb.slice", 2000, "db", effective="1,25",
+                   mems_effective="0")  # fmt: skip
+    assert node.hook("pg-denied") == 0  # the cgroup is written: the container runs pinned
+    [record] = [r for r in node.records if r["ACTION"] == "systemd"]
+    assert "crio-pg-denied.scope" in record["MESSAGE"]

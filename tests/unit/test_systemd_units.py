@@ -1,0 +1,561 @@
+"""systemd units' cpusets over D-Bus (nri_cpuplugin/hardware/systemd_units.py), without a bus.
+
+Unit names and bitmasks against runc's and systemd's rules; the sans-I/O conversation fed by
+hand; both clients against a scripted peer on a unix socket in a temporary directory that
+answers, says nothing, talks nonsense or hangs up.  Deadlines are failure bounds here: every
+wait is on a condition.  (tests/system/test_systemd_dbus.py runs them against a real
+dbus-daemon.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jeepney.low_level import Parser as JeepneyParser
+
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.hardware import dbus_wire as wire
+from nri_cpuplugin.hardware import systemd_units as su
+from nri_cpuplugin.hardware.systemd_units import SystemdError
+
+# --- unit names -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "unit"),
+    [
+        (
+            "kubepods-burstable-pod1234_ab.slice:cri-containerd:0123abcd",
+            "cri-containerd-0123abcd.scope",
+        ),
+        ("kubepods-pod9.slice:crio:ffee", "crio-ffee.scope"),
+        ("system.slice:docker:1234", "docker-1234.scope"),
+        # runc: a name ending in .slice is the unit itself, the prefix unused
+        ("-.slice:runc:machine-x.slice", "machine-x.slice"),
+        # runc appends .scope whatever the name ends in
+        ("kubepods.slice:crio:abc.scope", "crio-abc.scope.scope"),
+        # and joins an empty prefix with its dash, as runc does
+        (":: x", None),
+    ],
+)
+def test_unit_name_from_cgroups_path(path: str, unit: str | None) -> None:
+    if unit is None:
+        with pytest.raises(SystemdError):
+            su.unit_name(path)
+    else:
+        assert su.unit_name(path) == unit
+
+
+@pytest.mark.parametrize("path", ["", "/kubepods/burstable/pod1/abc", "/a:b:c"])
+def test_cgroupfs_paths_have_no_unit(path: str) -> None:
+    assert su.unit_name(path) is None
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "a.slice:b",  # two parts
+        "a.slice:b:c:d",
+        "s.slice:p:../../etc",  # a path in the name
+        "s.slice:p:x\ny",
+        "s.slice:p:a b",
+        "s.slice:p:a@b",  # templates are not containers
+        "s.slice:p:é",
+        "s.slice:p:" + "a" * 260,
+        "s.slice::",  # "-.scope" would be fine for systemd; an empty name is not a container
+    ],
+)
+def test_hostile_cgroups_paths_are_refused(path: str) -> None:
+    if path == "s.slice::":
+        assert su.unit_name(path) == "-.scope"
+        return
+    with pytest.raises(SystemdError) as error:
+        su.unit_name(path)
+    assert error.value.code == "unit-name"
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("cri-containerd-abc.scope", True),
+        ("a:b_c\\x2d.slice", True),
+        ("a" * 249 + ".scope", True),  # 255 characters
+        ("a" * 250 + ".scope", False),
+        (".scope", False),
+        ("abc", False),
+        ("abc.service", False),  # not a container's
+        ("a@b.scope", False),
+        ("a/b.scope", False),
+        ("a b.scope", False),
+        ("a.scope\0", False),
+        (3, False),
+    ],
+)
+def test_check_unit_name(name: object, ok: bool) -> None:
+    if ok:
+        assert su.check_unit_name(name) == name
+    else:
+        with pytest.raises(SystemdError):
+            su.check_unit_name(name)
+
+
+# --- bitmasks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cpus", "mask"),
+    [
+        ({0}, b"\x01"),
+        ({7}, b"\x80"),
+        ({8}, b"\x00\x01"),
+        ({1, 2, 9}, b"\x06\x02"),
+        (CPUSet.parse("0-63"), b"\xff" * 8),
+        (CPUSet.parse("2-3,6-7"), b"\xcc"),
+        ([3, 3], b"\x08"),
+    ],
+)
+def test_cpu_mask_is_runcs_range_to_bits(cpus: object, mask: bytes) -> None:
+    assert su.cpu_mask(cpus) == mask
+
+
+@given(st.sets(st.integers(0, 2047), min_size=1))
+def test_cpu_mask_reads_back_as_systemd_reads_it(cpus: set[int]) -> None:
+    mask = su.cpu_mask(cpus)
+    # systemd's cpu_set_from_dbus: bit i % 8 of byte i // 8
+    assert {i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1} == cpus
+    assert mask[-1] != 0  # as few bytes as the highest CPU needs
+
+
+@pytest.mark.parametrize("cpus", [set(), [-1], [1 << 16], [1.5], ["1"], [None]])
+def test_bad_cpu_sets_are_refused(cpus: object) -> None:
+    with pytest.raises(SystemdError) as error:
+        su.cpu_mask(cpus)
+    assert error.value.code == "cpu-mask"
+
+
+def test_set_allowed_call_is_what_runc_sends() -> None:
+    data = su.set_allowed_call(7, "crio-1.scope", su.cpu_mask({1, 2}), su.cpu_mask({0}))
+    [message] = JeepneyParser().feed(data)  # read by an independent implementation
+    fields = {int(k): v for k, v in message.header.fields.items()}
+    assert fields == {
+        1: "/org/freedesktop/systemd1",
+        2: "org.freedesktop.systemd1.Manager",
+        3: "SetUnitProperties",
+        6: "org.freedesktop.systemd1",
+        8: "sba(sv)",
+    }
+    assert message.header.serial == 7
+    assert message.body == (
+        "crio-1.scope",
+        True,
+        [("AllowedCPUs", ("ay", b"\x06")), ("AllowedMemoryNodes", ("ay", b"\x01"))],
+    )
+    only_cpus = su.set_allowed_call(8, "crio-1.scope", b"\x06", None)
+    assert JeepneyParser().feed(only_cpus)[0].body[2] == [("AllowedCPUs", ("ay", b"\x06"))]
+
+
+# --- the conversation -------------------------------------------------------------------------
+
+OK_LINE = b"OK 0123456789abcdef0123456789abcdef\r\n"
+
+
+def _calls(data: bytes) -> list[wire.Message]:
+    reader = wire.MessageReader()
+    reader.feed(data)
+    return reader.messages()
+
+
+def _reply(call: wire.Message, serial: int, error: str | None = None, text: str = "") -> bytes:
+    if error:
+        return wire.error(serial, call, error, text)
+    return wire.method_return(serial, call)
+
+
+def _greeted(hello: bool = True) -> tuple[su.Conversation, list[wire.Message]]:
+    conversation = su.Conversation(hello=hello, uid=0)
+    greeting = conversation.greeting()
+    assert greeting.startswith(wire.auth_external(0))
+    return conversation, _calls(greeting[len(wire.auth_external(0)) :])
+
+
+def test_the_greeting_pipelines_auth_and_hello() -> None:
+    conversation, sent = _greeted()
+    [hello] = sent
+    assert (hello.member, hello.destination) == ("Hello", "org.freedesktop.DBus")
+    conversation.feed(OK_LINE + wire.method_return(1, hello, "s", (":1.42",)))
+    assert conversation.authenticated and conversation.name == ":1.42"
+    assert _greeted(hello=False)[1] == []  # peer to peer: no Hello
+
+
+def test_calls_leave_at_most_a_window_at_a_time_and_answers_match_by_serial() -> None:
+    conversation, [hello] = _greeted()
+    batch = conversation.submit([(f"crio-{i}.scope", {i % 3}, {0}) for i in range(150)])
+    first = _calls(conversation.outgoing())
+    assert len(first) == su.WINDOW - 1  # Hello is in flight too
+    assert conversation.outgoing() == b""  # nothing more until answers come
+    # answers in reverse order, and the bus's NameAcquired signal in between
+    replies = b"".join(_reply(call, 100 + i) for i, call in enumerate(reversed(first)))
+    signal = wire.message(
+        wire.SIGNAL, 99, {wire.PATH: "/a", wire.INTERFACE: "a.b", wire.MEMBER: "N"}
+    )
+    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)) + signal + replies)
+    assert len(batch.results) == su.WINDOW - 1
+    sent = first
+    while not batch.done:
+        more = _calls(conversation.outgoing())
+        assert 0 < len(more) <= su.WINDOW
+        sent += more
+        conversation.feed(b"".join(_reply(call, 500 + call.serial) for call in more))
+    assert [call.body[0] for call in sent] == [f"crio-{i}.scope" for i in range(150)]
+    assert {r.outcome for r in batch.results.values()} == {su.SET}
+
+
+@pytest.mark.parametrize(
+    ("error", "text", "outcome", "code", "says"),
+    [
+        (
+            "org.freedesktop.systemd1.NoSuchUnit",
+            "Unit x.scope not loaded.",
+            su.GONE,
+            "gone",
+            "no such unit",
+        ),
+        ("org.freedesktop.DBus.Error.AccessDenied", "Rejected send", su.DENIED, "denied", "uid 0"),
+        (
+            "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired",
+            "",
+            su.DENIED,
+            "denied",
+            "org.freedesktop.systemd1.manage-units",
+        ),
+        (
+            "org.freedesktop.DBus.Error.ServiceUnknown",
+            "",
+            su.UNREACHABLE,
+            "unreachable",
+            "not the init",
+        ),
+        (
+            "org.freedesktop.DBus.Error.PropertyReadOnly",
+            "Cannot set property AllowedCPUs, or unknown property.",
+            su.FAILED,
+            "unsupported",
+            "systemd 244",
+        ),
+        ("org.freedesktop.DBus.Error.LimitsExceeded", "too many", su.FAILED, "systemd", "too many"),
+    ],
+)
+def test_error_answers_are_classified(
+    error: str, text: str, outcome: str, code: str, says: str
+) -> None:
+    conversation, _ = _greeted(hello=False)
+    batch = conversation.submit([("x.scope", {1}, None)])
+    [call] = _calls(conversation.outgoing())
+    conversation.feed(OK_LINE + _reply(call, 5, error, text))
+    [result] = su._order(batch, [("x.scope",)])
+    assert (result.outcome, result.error.code) == (outcome, code)
+    assert says in str(result.error) and "x.scope" in str(result.error)
+    assert result.ok == (outcome == su.GONE)
+
+
+def test_units_that_cannot_be_sent_fail_alone() -> None:
+    conversation, _ = _greeted(hello=False)
+    changes = [("ok.scope", {1}, None), ("../x.scope", {1}, None), ("empty.scope", set(), None)]
+    batch = conversation.submit(changes)
+    [call] = _calls(conversation.outgoing())
+    assert call.body[0] == "ok.scope"
+    conversation.feed(OK_LINE + _reply(call, 2))
+    assert [r.outcome for r in su._order(batch, changes)] == [su.SET, su.FAILED, su.FAILED]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"REJECTED DBUS_COOKIE_SHA1\r\n", "refused EXTERNAL"),
+        (OK_LINE + b"x" * 16, "byte order flag"),
+        (b"A" * 600, "longer than 512"),
+        (b"\0" * 64, "unexpected authentication answer"),  # not a line of text: no waiting
+    ],
+)
+def test_a_broken_peer_settles_every_unit_at_once(data: bytes, says: str) -> None:
+    conversation, _ = _greeted()
+    batch = conversation.submit([("a.scope", {1}, None), ("b.scope", {2}, None)])
+    conversation.outgoing()
+    conversation.feed(data)
+    assert batch.done and conversation.closed
+    assert {r.outcome for r in batch.results.values()} == {su.UNREACHABLE}
+    assert all(says in str(r.error) for r in batch.results.values())
+    later = conversation.submit([("c.scope", {1}, None)])
+    assert later.done and later.results["c.scope"].outcome == su.UNREACHABLE
+
+
+def test_a_refused_hello_is_unreachable() -> None:
+    conversation, [hello] = _greeted()
+    batch = conversation.submit([("a.scope", {1}, None)])
+    conversation.outgoing()
+    conversation.feed(OK_LINE + _reply(hello, 2, "org.freedesktop.DBus.Error.AccessDenied", "no"))
+    assert batch.results["a.scope"].outcome == su.UNREACHABLE
+    assert "refused Hello" in str(batch.results["a.scope"].error)
+
+
+def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped() -> None:
+    conversation, _ = _greeted(hello=False)
+    conversation.feed(OK_LINE)
+    slow = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(su.WINDOW)])
+    late_calls = _calls(conversation.outgoing())
+    conversation.abandon(slow, su.TIMEOUT, SystemdError("late", "timeout"))
+    assert {r.outcome for r in slow.results.values()} == {su.TIMEOUT}
+    fresh = conversation.submit([("f.scope", {1}, None)])
+    assert conversation.outgoing() == b""  # the abandoned calls still fill the window
+    conversation.feed(b"".join(_reply(call, 1000 + call.serial) for call in late_calls))
+    assert {r.outcome for r in slow.results.values()} == {su.TIMEOUT}  # unchanged
+    [call] = _calls(conversation.outgoing())
+    conversation.feed(_reply(call, 5000))
+    assert fresh.results["f.scope"].outcome == su.SET
+
+
+# --- the clients against a scripted peer ------------------------------------------------------
+
+
+class Peer:
+    """A unix socket server in a thread: ``script(conn)`` plays the peer for each connection."""
+
+    def __init__(self, script: Callable[[socket.socket], None]) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="nri-peer-")
+        self.path = os.path.join(self.dir.name, "sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.script = script
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                self.script(conn)
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+        self.listener.close()
+        self.thread.join(5)
+        self.dir.cleanup()
+
+
+@pytest.fixture
+def peer() -> Iterator[Callable[[Callable[[socket.socket], None]], Peer]]:
+    peers: list[Peer] = []
+
+    def make(script: Callable[[socket.socket], None]) -> Peer:
+        peers.append(Peer(script))
+        return peers[-1]
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+def _systemd(
+    conn: socket.socket, answer: Callable[[wire.Message, int], bytes] | None = None
+) -> None:
+    """A well-behaved peer-to-peer systemd: OK, then an answer per call."""
+    reader = wire.MessageReader()
+    data = b""
+    while b"BEGIN\r\n" not in data:
+        data += conn.recv(4096)
+    conn.sendall(OK_LINE)
+    reader.feed(data.split(b"BEGIN\r\n", 1)[1])
+    serial = 100
+    while True:
+        for call in reader.messages():
+            serial += 1
+            conn.sendall(answer(call, serial) if answer else wire.method_return(serial, call))
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        reader.feed(chunk)
+
+
+def _silent(conn: socket.socket) -> None:
+    while conn.recv(65536):
+        pass
+
+
+def test_the_blocking_client_pipelines_and_matches(peer) -> None:
+    p = peer(_systemd)
+    with su.SystemdClient(p.path, hello=False) as client:
+        changes = [(f"crio-{i}.scope", {i % 2}, {0}) for i in range(200)]
+        results = client.set_allowed(changes, 10)
+        assert [r.unit for r in results] == [c[0] for c in changes]
+        assert {r.outcome for r in results} == {su.SET}
+        assert client.set_allowed([("again.scope", {1}, None)], 10)[0].outcome == su.SET
+
+
+@pytest.mark.parametrize(
+    ("script", "outcome", "says"),
+    [
+        (_silent, su.TIMEOUT, "did not answer"),
+        (lambda conn: conn.recv(100), su.UNREACHABLE, "connection"),  # hung up
+        (lambda conn: conn.sendall(b"\x00" * 64) or _silent(conn), su.UNREACHABLE, "unexpected"),
+        (
+            lambda conn: conn.sendall(OK_LINE + b"Q" * 64) or _silent(conn),
+            su.UNREACHABLE,
+            "byte order",
+        ),
+        (
+            # a reply announcing 100 MiB: refused from its header, not awaited
+            lambda conn: (
+                conn.sendall(
+                    OK_LINE
+                    + b"l\x02\x00\x01"
+                    + (100 << 20).to_bytes(4, "little")
+                    + b"\x01\0\0\0"
+                    + b"\0" * 8
+                )
+                or _silent(conn)
+            ),
+            su.UNREACHABLE,
+            "this reader takes",
+        ),
+    ],
+)
+def test_the_blocking_client_never_waits_past_its_deadline(peer, script, outcome, says) -> None:
+    p = peer(script)
+    with su.SystemdClient(p.path, hello=False) as client:
+        started = time.monotonic()
+        [result] = client.set_allowed([("a.scope", {1}, None)], 0.5)
+        elapsed = time.monotonic() - started
+    assert (result.outcome, says in str(result.error)) == (outcome, True), result
+    assert elapsed < 0.5 + 2.0  # the deadline, plus scheduling on a busy machine
+
+
+def test_the_blocking_client_says_why_it_cannot_connect(tmp_path) -> None:
+    missing = str(tmp_path / "none")
+    [result] = su.SystemdClient(missing).set_allowed([("a.scope", {1}, None)], 1)
+    assert result.outcome == su.UNREACHABLE and "no socket at" in str(result.error)
+    plain = tmp_path / "file"
+    plain.write_text("")
+    [result] = su.SystemdClient(str(plain)).set_allowed([("a.scope", {1}, None)], 1)
+    assert result.outcome == su.UNREACHABLE and "cannot reach systemd" in str(result.error)
+
+
+def test_the_async_client(peer) -> None:
+    p = peer(_systemd)
+    silent = peer(_silent)
+
+    async def main() -> None:
+        client = su.AsyncSystemdClient(p.path, hello=False)
+        both = await asyncio.gather(
+            client.set_allowed([(f"a{i}.scope", {1}, None) for i in range(100)], 10),
+            client.set_allowed([(f"b{i}.scope", {2}, {0}) for i in range(100)], 10),
+        )
+        assert {r.outcome for results in both for r in results} == {su.SET}
+        client.close()
+        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        started = time.monotonic()
+        [result] = await hung.set_allowed([("a.scope", {1}, None)], 0.3)
+        assert result.outcome == su.TIMEOUT and time.monotonic() - started < 2.3
+        hung.close()
+        gone = su.AsyncSystemdClient(p.path + ".missing")
+        [result] = await gone.set_allowed([("a.scope", {1}, None)], 1)
+        assert result.outcome == su.UNREACHABLE and "no socket at" in str(result.error)
+
+    asyncio.run(main())
+
+
+def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
+    answered = []
+
+    def once(conn: socket.socket) -> None:
+        # answers the first call, then hangs up
+        def answer(call: wire.Message, serial: int) -> bytes:
+            answered.append(call.body[0])
+            return wire.method_return(serial, call)
+
+        reader = wire.MessageReader()
+        data = b""
+        while b"BEGIN\r\n" not in data:
+            data += conn.recv(4096)
+        conn.sendall(OK_LINE)
+        reader.feed(data.split(b"BEGIN\r\n", 1)[1])
+        while not (calls := reader.messages()):
+            reader.feed(conn.recv(65536))
+        conn.sendall(answer(calls[0], 7))
+
+    p = peer(once)
+
+    async def main() -> None:
+        client = su.AsyncSystemdClient(p.path, hello=False)
+        assert (await client.set_allowed([("a.scope", {1}, None)], 5))[0].outcome == su.SET
+        for _ in range(100):  # until the hang-up is seen
+            if client.conversation.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
+        client.close()
+
+    asyncio.run(main())
+    assert answered == ["a.scope", "b.scope"]
+
+
+def test_closing_a_client_drops_its_connection(peer) -> None:
+    p = peer(_systemd)
+    client = su.SystemdClient(p.path, hello=False)
+    assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
+    client.close()
+    assert client.set_allowed([("b.scope", {1}, None)], 5)[0].outcome == su.SET  # reconnected
+    client.close()
+    silent = peer(_silent)
+
+    async def main() -> None:
+        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        waiting = asyncio.ensure_future(hung.set_allowed([("a.scope", {1}, None)], 30))
+        while not hung.waiting:  # until the call is out
+            await asyncio.sleep(0.01)
+        hung.close()
+        [result] = await asyncio.wait_for(waiting, 5)  # answered at once, not after 30 s
+        assert result.outcome == su.UNREACHABLE and "closed" in str(result.error)
+
+    asyncio.run(main())
+
+
+def test_connecting_ahead_of_the_calls(peer) -> None:
+    p = peer(_systemd)
+    silent = peer(_silent)
+    with su.SystemdClient(p.path, hello=False) as client:
+        assert client.connect(5) is None and client.conversation.ready
+        assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
+    with su.SystemdClient(silent.path, hello=False) as client:
+        error = client.connect(0.3)
+        assert error.code == "timeout" and "handshake" in str(error)
+    error = su.SystemdClient(p.path + ".missing").connect(1)
+    assert error.code == "unreachable" and "no socket at" in str(error)
+
+    async def main() -> None:
+        client = su.AsyncSystemdClient(p.path, hello=False)
+        assert await client.connect(5) is None and client.conversation.ready
+        assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
+        client.close()
+        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        error = await hung.connect(0.3)
+        assert error.code == "timeout"
+        hung.close()
+
+    asyncio.run(main())
