@@ -26,7 +26,7 @@ import secrets
 import shlex
 import sysconfig
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +76,9 @@ class Topology:
 
     def summary(self) -> str:
         nodes = ", ".join(f"node{n}: {c}" for n, c in sorted(self.node_cpus.items()))
-        cores = sorted(set(self.thread_siblings.values()), key=lambda s: int(re.split(r"[,-]", s)[0]))
+        cores = sorted(
+            set(self.thread_siblings.values()), key=lambda s: int(re.split(r"[,-]", s)[0])
+        )
         return (
             f"{len(self.cpus)} CPUs, {self.sockets} sockets, {self.numa_nodes} NUMA nodes "
             f"({nodes}), {self.threads_per_core} threads per core (siblings {' '.join(cores)})"
@@ -98,7 +100,9 @@ class Guest:
 
     @classmethod
     @contextmanager
-    def boot(cls, *, lab: Path = debs.LAB, log: Any = None) -> Iterator[Guest]:
+    def boot(
+        cls, *, lab: Path = debs.LAB, log: Callable[[str], None] | None = None
+    ) -> Iterator[Guest]:
         """Build (if needed) and boot the guest; power it off on exit.  ``log(text)`` is told
         what happens (which accelerator, how long each step took)."""
         say = log or (lambda text: None)
@@ -162,7 +166,8 @@ class Guest:
             raise GuestError(f"systemd did not finish booting: {result.describe()}")
         if self.system_state == "degraded":
             failed = self.run(["systemctl", "--failed", "--no-legend", "--plain"], timeout=60)
-            self.system_state += f" (failed: {' '.join(failed.stdout.split()[::4])})"
+            units = [line.split()[0] for line in failed.stdout.splitlines() if line.strip()]
+            self.system_state += f" (failed: {' '.join(units)})"
 
     def _mount_shares(self, shares: list[Share]) -> None:
         for share in shares:
@@ -190,7 +195,9 @@ class Guest:
         """Run a command in the guest (a string runs with ``sh -c``) and return its outcome."""
         args = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
         try:
-            return self.channel.run(args, timeout=timeout, input=input, env=dict(env or {}), cwd=cwd)
+            return self.channel.run(
+                args, timeout=timeout, input=input, env=dict(env or {}), cwd=cwd
+            )
         except (ChannelError, AgentError) as e:
             raise GuestError(f"{shlex.join(args)}: {e}\n{self.vm.console_tail(30)}") from None
 
@@ -234,7 +241,9 @@ class Guest:
 
     def copy_in(self, source: Path, path: str, mode: int | None = None) -> None:
         """A host file into the guest (small files: configs, units)."""
-        self.write(path, source.read_bytes(), source.stat().st_mode & 0o7777 if mode is None else mode)
+        self.write(
+            path, source.read_bytes(), source.stat().st_mode & 0o7777 if mode is None else mode
+        )
 
     def read(self, path: str) -> bytes:
         try:

@@ -22,6 +22,7 @@ Requests run concurrently, each in a thread of its own, so a long command does n
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -120,10 +121,8 @@ class Agent:
             out, err = proc.communicate(stdin.encode() if stdin is not None else None, timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             try:
                 out, err = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:  # a grandchild holds the pipes open

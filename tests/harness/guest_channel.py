@@ -9,6 +9,7 @@ ran out, or the connection (QEMU) went away.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import socket
@@ -163,8 +164,6 @@ class Channel:
         return base64.b64decode(self.request("read", timeout, path=path)["data"])
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()

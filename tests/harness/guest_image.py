@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time

@@ -26,8 +26,11 @@ D-Bus calls go through ``busctl`` (systemd's own client, always in the image).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +86,17 @@ def start_slice(name: str, parent: str, properties: list[tuple[str, ...]]) -> No
     all_props = len(standard) + len(properties)
     result = subprocess.run(
         [
-            "busctl", "call", "--timeout=60", "org.freedesktop.systemd1",
+            # "--": the arguments that follow may start with "-" ("-.slice", the root slice).
+            "busctl", "call", "--timeout=60", "--", "org.freedesktop.systemd1",
             "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
             "StartTransientUnit", "ssa(sv)a(sa(sv))", name, "replace", str(all_props),
             *args, "0",
         ],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
-    if result.returncode and "already exists" not in result.stderr:
+    # systemd's UnitExists error, which busctl prints as its text only.
+    exists = ("already exists", "already loaded")
+    if result.returncode and not any(text in result.stderr for text in exists):
         raise SystemdError(f"StartTransientUnit {name}: {result.stderr.strip()}")
     _wait_active(name)
     enable_controllers(slice_path(name))
@@ -132,10 +138,8 @@ def _enable(directory: Path, controllers: list[str]) -> None:
         control.write_text(" ".join(f"+{c}" for c in controllers))
     except OSError:  # one at a time, as libcontainer falls back; the unavailable ones fail
         for controller in controllers:
-            try:
+            with contextlib.suppress(OSError):
                 control.write_text(f"+{controller}")
-            except OSError:
-                pass
 
 
 def ensure_kubepods() -> None:
@@ -167,6 +171,15 @@ class SystemdKubelet(CRIClient):
     """The CRI client with kubelet's systemd driver: each pod's slice is started before its
     RunPodSandbox and stopped after its RemovePodSandbox, and named as its cgroup parent."""
 
+    # Under emulation an HTTP/2 handshake can take longer than the host client's 100 ms
+    # connection deadline (gRPC's minimum reconnect backoff): the first call then fails
+    # UNAVAILABLE "connection attempt timed out before receiving SETTINGS frame".
+    reconnect_options = (
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 20000),
+        ("grpc.max_reconnect_backoff_ms", 20000),
+    )
+
     def __init__(self, address: str | Path, **kwargs: Any) -> None:
         kwargs.setdefault("log_root", LOG_ROOT)
         kwargs.setdefault("timeout", 120.0)  # emulated CPUs: CRI calls take seconds
@@ -188,11 +201,39 @@ class SystemdKubelet(CRIClient):
         if name := self._slices.pop(pod_id, None):
             stop_slice(name)
 
-    def remove_all(self, *, stop_timeout: int = 0, budget: float = 300.0) -> list[str]:
-        """Every pod removed, then every pod slice under kubepods.slice stopped."""
-        errors = super().remove_all(stop_timeout=stop_timeout, budget=budget)
+    def remove_all(self, *, stop_timeout: int = 0, budget: float = 600.0) -> list[str]:
+        """Every container and pod removed, then every pod slice under kubepods.slice stopped;
+        returns the errors of the last attempt.  Unlike the host client's clean-up (5 s a
+        call), each call gets the client's whole timeout, and what failed is tried again: under
+        emulation a shim can answer the runtime's own task lookup after the runtime's internal
+        deadline ("failed to get task ...: context deadline exceeded"), once in a while."""
+        deadline = time.monotonic() + budget
+        errors: list[str] = []
+        for _ in range(3):
+            errors = self._remove_all_once(stop_timeout, deadline)
+            if not errors:
+                break
         for name in _pod_slices():
             stop_slice(name)
+        return errors
+
+    def _remove_all_once(self, stop_timeout: int, deadline: float) -> list[str]:
+        try:
+            steps: list[Callable[[], None]] = []
+            for c in self.containers():
+                steps += [partial(self.stop, c.id, stop_timeout), partial(self.remove, c.id)]
+            for pod in self.pods():
+                steps += [partial(self.stop_pod, pod.id), partial(self.remove_pod, pod.id)]
+        except CRIError as e:
+            return [str(e)]  # not answering: the runtime's restart or the poweroff clears it
+        errors: list[str] = []
+        for step in steps:
+            if time.monotonic() > deadline:
+                return [*errors, "CRI clean-up ran out of time"]
+            try:
+                step()
+            except CRIError as e:
+                errors.append(str(e))
         return errors
 
 

@@ -17,7 +17,7 @@ import time
 
 from . import debs
 from .guest import Guest, GuestError
-from .guest_runtimes import NRITimeouts, GuestRuntime, runtimes
+from .guest_runtimes import GuestRuntime, NRITimeouts, runtimes
 
 DAEMON_UNIT = "nri-cpuplugin.service"
 DAEMON_STATE = "/var/lib/nri-cpuplugin"
@@ -115,9 +115,7 @@ class GuestNode:
         unit_dir = "/etc/systemd/system"
         self.guest.copy_in(PACKAGING / "systemd" / DAEMON_UNIT, f"{unit_dir}/{DAEMON_UNIT}", 0o644)
         self.guest.copy_in(PACKAGING / "config.toml", "/etc/nri-cpuplugin/config.toml", 0o644)
-        environment = " ".join(
-            shlex.quote(f"{k}={v}") for k, v in self.guest.python_env().items()
-        )
+        environment = " ".join(shlex.quote(f"{k}={v}") for k, v in self.guest.python_env().items())
         runtimes_units = " ".join(r.unit for r in self.runtimes.values())
         # Only what differs on this node: the program comes from the shared checkout, run by
         # the guest's python3 with the host's site-packages (guest.py), and the runtimes'
@@ -163,13 +161,18 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
 
     def daemon_records(self, action: str | None = None, after: str | None = None) -> list[dict]:
         """The daemon's audit records in the journal (``ACTION=...``), oldest first."""
-        argv = ["journalctl", "--no-pager", "-o", "json", "-t", "nri-cpuplugin"]
-        if after:
-            argv.append(f"--after-cursor={after}")
-        if action:
-            argv.append(f"ACTION={action}")
+        # Filtered here, not by journalctl: systemd 252's journalctl finds nothing when
+        # --after-cursor is combined with field matches the cursor's own entry lacks.
+        argv = ["journalctl", "--no-pager", "-o", "json"]
+        argv += [f"--after-cursor={after}"] if after else ["SYSLOG_IDENTIFIER=nri-cpuplugin"]
         out = self.guest.run(argv, timeout=60).stdout
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return [
+            r
+            for r in records
+            if r.get("SYSLOG_IDENTIFIER") == "nri-cpuplugin"
+            and (action is None or r.get("ACTION") == action)
+        ]
 
     def status(self) -> dict:
         """``nri-cpuplugin status --json`` in the guest."""

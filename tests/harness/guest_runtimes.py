@@ -190,16 +190,13 @@ LimitCORE=infinity
 TasksMax=infinity
 OOMScoreAdjust=-999
 """
-    ctr = str(bin_dir / "ctr")
+    ctr_import = (str(bin_dir / "ctr"), "--address", socket, "-n", "k8s.io", "images", "import")
     return GuestRuntime(
         name,
         release,
         socket,
         {config_path: _toml(config), f"{UNIT_DIR}/{name}.service": unit},
-        import_images=(
-            (ctr, "--address", socket, "-n", "k8s.io", "images", "import",
-             "--platform", "linux/amd64", str(image.images_tar(lab))),
-        ),  # fmt: skip
+        import_images=((*ctr_import, "--platform", "linux/amd64", str(image.images_tar(lab))),),
     )
 
 
@@ -273,13 +270,11 @@ OOMScoreAdjust=-999
 TimeoutStartSec=0
 """
     layout = crio.oci_layout(lab)
+    store = ("--root", storage["graphroot"], "--runroot", storage["runroot"])
+    store += ("--storage-driver", "overlay", "--signature-policy", "/etc/containers/policy.json")
+    copyimg = (str(binaries / "copyimg"), *store)
     imports = tuple(
-        (
-            str(binaries / "copyimg"), "--root", storage["graphroot"],
-            "--runroot", storage["runroot"], "--storage-driver", "overlay",
-            "--signature-policy", "/etc/containers/policy.json",
-            "--image-name", image_name, "--import-from", f"oci:{layout}:{ref}",
-        )  # fmt: skip
+        (*copyimg, "--image-name", image_name, "--import-from", f"oci:{layout}:{ref}")
         for image_name, ref in crio.OCI_REFS.items()
     )
     files = {

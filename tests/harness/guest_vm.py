@@ -140,11 +140,8 @@ class VM:
 
     def command(self) -> list[str]:
         qemu = str(host_tools.ensure("qemu-system-x86_64", lab=self.lab)["qemu-system-x86_64"])
-        if self.accel == "kvm":
-            accel = ["-accel", "kvm"]
-        else:
-            # One host thread per virtual CPU (x86 on x86 is safe for multi-threaded TCG).
-            accel = ["-accel", "tcg,thread=multi"]
+        # TCG: one host thread per virtual CPU (x86 on x86 is safe for multi-threaded TCG).
+        accel = ["-accel", "kvm" if self.accel == "kvm" else "tcg,thread=multi"]
         numa: list[str] = []
         for node in range(SOCKETS):
             numa += [
