@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import debs, host, host_tools
+from . import debs, host, host_tools, shortpaths
 from .debs import Deb
 from .packages import CONMON, RUNC
 
@@ -82,6 +82,8 @@ PACKAGES = (
 FORMAT = 1
 IMAGE_SIZE = "4G"  # sparse; about 1 GB is used
 HOSTNAME = "nri-guest"
+# shortpaths kind of a build's private directory (/tmp/nri-guest-build-XXXX)
+BUILD_KIND = "guest-build"
 
 # The harness directory comes into the guest under this 9p tag, and the agent runs from it.
 HARNESS_TAG = "nri-harness"
@@ -190,8 +192,9 @@ def cached(lab: Path = debs.LAB) -> GuestImage | None:
 
 
 def build(lab: Path = debs.LAB, log: Path | None = None) -> GuestImage:
-    """The image of the current recipe, built first if it is not cached (about 5 minutes on
-    a 2-CPU machine).  ``log`` receives debootstrap's output (default: next to the image)."""
+    """The image of the current recipe, built first if it is not cached (2-5 minutes on a
+    2-CPU machine, mostly downloads and dpkg).  ``log`` receives debootstrap's output
+    (default: ``build.log`` next to the image)."""
     key = recipe_key()
     target = lab / "guest" / "images" / key
     image = GuestImage(target, key)
@@ -204,33 +207,36 @@ def build(lab: Path = debs.LAB, log: Path | None = None) -> GuestImage:
             return image
         tools = host_tools.ensure("debootstrap", "mkfs.ext4", "gpgv", lab=lab)
         partial = target.with_name(target.name + ".partial")
-        _remove_tree(partial)
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
+        # debootstrap is a shell script that breaks on a target path with spaces (its grep
+        # of the Packages lists): the tree is made in a short private directory instead.
+        work = shortpaths.make(BUILD_KIND, within=Path("/tmp"))
         try:
-            _build_into(partial, lab, tools, log or partial / "build.log")
-        except BaseException:
-            _remove_tree(partial / "rootfs")  # a 1 GB tree is not worth keeping for a look
-            raise
-        _remove_tree(target)
+            _build_into(partial, work, lab, tools, log or partial / "build.log")
+        finally:
+            remove_build_dir(work)
+        shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         (target / ".done").touch()
         _remove_stale_images(target.parent, keep=target)
     return image
 
 
-def _build_into(out: Path, lab: Path, tools: dict[str, Path], log: Path) -> None:
-    started = time.monotonic()
-    rootfs = out / "rootfs"
-    cache = lab / "guest" / "debs"  # debootstrap's own .deb cache: a recipe change is cheap
+def _debootstrap(work: Path, lab: Path, tools: dict[str, Path], log: Path) -> Path:
+    """The bootstrapped tree (in ``work``); the downloaded packages stay in the lab."""
+    cache = lab / "guest" / "debs"  # a recipe change downloads only what changed
     cache.mkdir(parents=True, exist_ok=True)
+    (work / "debs").symlink_to(cache)  # named through the short directory, for the same reason
     mirror = debs._archive_uri()
+    rootfs = work / "rootfs"
     command = [
         str(tools["debootstrap"]),
         "--variant=minbase",
         f"--include={','.join(PACKAGES)}",
         f"--keyring={debs.KEYRING}",
         "--force-check-gpg",
-        f"--cache-dir={cache}",
+        f"--cache-dir={work / 'debs'}",
         SUITE,
         str(rootfs),
         mirror,
@@ -246,13 +252,19 @@ def _build_into(out: Path, lab: Path, tools: dict[str, Path], log: Path) -> None
             f"debootstrap {SUITE} from {mirror} failed (exit {result.returncode}); if a pinned "
             f"package is gone from the suite, see the pins in guest_image.py.\n{_tail(log)}"
         )
+    _check_pins(cache, _installed(rootfs))
+    return rootfs
+
+
+def _build_into(out: Path, work: Path, lab: Path, tools: dict[str, Path], log: Path) -> None:
+    started = time.monotonic()
+    rootfs = _debootstrap(work, lab, tools, log)
     installed = _installed(rootfs)
-    _check_pins(cache, installed)
-    _configure(rootfs, installed)
+    _configure(rootfs)
     shutil.copyfile(rootfs / f"boot/vmlinuz-{KERNEL_RELEASE}", out / "vmlinuz")
     shutil.copyfile(rootfs / f"boot/initrd.img-{KERNEL_RELEASE}", out / "initrd.img")
     for deb in (rootfs / "var/cache/apt/archives").glob("*.deb"):
-        deb.unlink()  # debootstrap's copies: the cache outside the image keeps them
+        deb.unlink()  # debootstrap's copies: the lab's cache keeps them
     disk = out / "disk.img"
     subprocess.run(["truncate", "-s", IMAGE_SIZE, str(disk)], check=True)
     mkfs = subprocess.run(
@@ -261,11 +273,10 @@ def _build_into(out: Path, lab: Path, tools: dict[str, Path], log: Path) -> None
     )  # fmt: skip
     if mkfs.returncode:
         raise GuestImageError(f"mkfs.ext4 -d {rootfs} failed: {mkfs.stderr.strip()[-1500:]}")
-    _remove_tree(rootfs)
     manifest = {
         "recipe": recipe(),
         "key": recipe_key(),
-        "mirror": mirror,
+        "mirror": debs._archive_uri(),
         "installed": installed,
         "build_seconds": round(time.monotonic() - started, 1),
     }
@@ -308,7 +319,7 @@ def _check_pins(cache: Path, installed: dict[str, str]) -> None:
         raise GuestImageError(f"the guest's python3.11 is {python or 'missing'}; need 3.11")
 
 
-def _configure(rootfs: Path, installed: dict[str, str]) -> None:
+def _configure(rootfs: Path) -> None:
     for name, text in _FILES.items():
         path = rootfs / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -329,13 +340,16 @@ def _symlink(link: Path, target: str) -> None:
     link.symlink_to(target)
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove a debootstrap tree; one that still has proc/sys mounted (a killed build) is
-    unmounted first, never followed into."""
+def remove_build_dir(path: Path) -> None:
+    """A build's short directory with its tree (also one a killed build left, for guest_vm's
+    reaper): the mounts debootstrap made inside it (proc, sys) are undone first, so that the
+    removal never follows them into the host's."""
     if not path.exists():
         return
     for point in reversed(host.mounts_under(path)):
         subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+    if left := host.mounts_under(path):
+        raise GuestImageError(f"cannot remove {path}: still mounted there: {left}")
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import debs, host, host_tools, shortpaths
+from . import debs, guest_image, host, host_tools, shortpaths
 from .guest_agent import PORT_NAME
 from .guest_image import GuestImage
 
@@ -299,6 +299,8 @@ def reap_stale(lab: Path = debs.LAB, keep: int = 5) -> list[str]:
         record_file.unlink()
     for path, _ in shortpaths.stale("guest"):
         shutil.rmtree(path, ignore_errors=True)
+    for path, _ in shortpaths.stale(guest_image.BUILD_KIND):
+        guest_image.remove_build_dir(path)
     if runs.is_dir():
         finished = sorted(
             (d for d in runs.iterdir() if d.is_dir() and not (d / "vm.json").exists()),
