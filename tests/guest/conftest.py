@@ -43,10 +43,12 @@ def pytest_report_header(config: pytest.Config) -> str:
 def _say(config: pytest.Config, text: str) -> None:
     """A line in the test output even without -s: which accelerator, how long things took."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"[guest] {text}")
-    else:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
         print(f"[guest] {text}")
+        return
+    with capture.global_and_fixture_disabled():  # output is captured while fixtures run
+        reporter.write_line(f"[guest] {text}")
 
 
 @pytest.fixture(scope="session")

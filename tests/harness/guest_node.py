@@ -131,7 +131,7 @@ After={runtimes_units}
 Environment={environment}
 ExecStart=
 ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/config.toml
-""",
+{_sandbox_exceptions(self.guest.python_path)}""",
         )
 
     def start_daemon(self, timeout: float = 300.0) -> None:
@@ -182,3 +182,16 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
             timeout=120,
         )
         return json.loads(out)
+
+
+def _sandbox_exceptions(python_path: list[str]) -> str:
+    """What the unit's sandbox must let through so that the daemon finds its code in the
+    shared checkout: an installed daemon lives under /usr, a checkout may be anywhere - in a
+    ``mktemp -d`` directory (hidden by ``PrivateTmp=yes``) or a home directory (hidden by
+    ``ProtectHome=yes``).  Only the setting that hides it is relaxed, and only then."""
+    lines = []
+    if any(p.startswith(("/tmp/", "/var/tmp/")) for p in python_path):
+        lines.append("# The checkout is under a temporary directory.\nPrivateTmp=no")
+    if any(p.startswith(("/home/", "/root/", "/run/user/")) for p in python_path):
+        lines.append("# The checkout is under a home directory.\nProtectHome=no")
+    return "".join(f"{line}\n" for line in lines)
