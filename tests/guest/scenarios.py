@@ -32,6 +32,17 @@ def node() -> dict[str, Any]:
     kubepods = CGROUP_ROOT / KUBEPODS
     return {
         "cgroup_fs": _fs_type(CGROUP_ROOT),
+        "cgroup_statfs": subprocess.run(
+            ["stat", "-f", "-c", "%T", str(CGROUP_ROOT)],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip(),
+        "v1_hierarchies": [
+            line.split()[1]
+            for line in _read(Path("/proc/mounts")).splitlines()
+            if line.split()[2] == "cgroup"
+        ],
         "pid1": _read(Path("/proc/1/comm")),
         "root_controllers": _read(CGROUP_ROOT / "cgroup.controllers").split(),
         "root_subtree_control": _read(CGROUP_ROOT / "cgroup.subtree_control").split(),

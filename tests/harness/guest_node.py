@@ -17,7 +17,13 @@ import time
 
 from . import debs
 from .guest import Guest, GuestError
-from .guest_runtimes import GuestRuntime, NRITimeouts, runtimes
+from .guest_runtimes import (
+    EMULATED_NRI_TIMEOUTS,
+    HOOK_PROGRAM,
+    GuestRuntime,
+    NRITimeouts,
+    runtimes,
+)
 
 DAEMON_UNIT = "nri-cpuplugin.service"
 DAEMON_STATE = "/var/lib/nri-cpuplugin"
@@ -27,7 +33,8 @@ PACKAGING = debs.REPO / "packaging"
 class GuestNode:
     def __init__(self, guest: Guest, nri: NRITimeouts | None = None) -> None:
         self.guest = guest
-        self.nri = nri or NRITimeouts()
+        emulated = guest.vm.accel == "tcg"
+        self.nri = nri or (EMULATED_NRI_TIMEOUTS if emulated else NRITimeouts())
         self.runtimes = runtimes(guest.lab, self.nri)
         self.current: GuestRuntime | None = None
         self._installed = False
@@ -43,6 +50,7 @@ class GuestNode:
             for path, text in runtime.files.items():
                 self.guest.write(path, text)
         self._install_daemon()
+        self._install_hook()
         self.guest.check(["systemctl", "daemon-reload"], timeout=120)
         self._installed = True
 
@@ -71,13 +79,14 @@ class GuestNode:
         return runtime
 
     def _import_images(self, runtime: GuestRuntime) -> None:
-        if runtime.name in self._images:
+        # Keyed by the CRI socket: crio and crio-hooks share one image store.
+        if runtime.cri_socket in self._images:
             return
         for command in runtime.import_images:
             result = self.guest.run(list(command), timeout=300)
             if not result.ok:
                 raise GuestError(f"importing images into {runtime.name}: {result.describe()}")
-        self._images.add(runtime.name)
+        self._images.add(runtime.cri_socket)
 
     def clear(self) -> list[str]:
         """Every pod of the current runtime removed (and its slice stopped); the daemon
@@ -132,6 +141,23 @@ Environment={environment}
 ExecStart=
 ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/config.toml
 {_sandbox_exceptions(self.guest.python_path)}""",
+        )
+
+    def _install_hook(self) -> None:
+        """The OCI hook's program where hooks/*.json name it: a launcher of the shared
+        checkout's ``nri-cpuplugin-hook`` with the daemon's configuration file."""
+        environment = "".join(
+            f"export {k}={shlex.quote(v)}\n" for k, v in self.guest.python_env().items()
+        )
+        self.guest.write(
+            HOOK_PROGRAM,
+            f"""#!/bin/sh
+# Written by tests/harness/guest_node.py: the project's OCI hook from the shared checkout.
+{environment}exec /usr/bin/python3 -c \
+  'import sys; from nri_cpuplugin.hook.entry import main; sys.exit(main())' \
+  --config /etc/nri-cpuplugin/config.toml "$@"
+""",
+            0o755,
         )
 
     def start_daemon(self, timeout: float = 300.0) -> None:

@@ -59,6 +59,16 @@ KERNEL_ARGS = (
     "mitigations=off",
     # A panic reboots, and -no-reboot turns that into QEMU exiting: the host sees it at once.
     "panic=-1",
+    # Under TCG on a busy 2-CPU host the 8 virtual CPUs' threads are often descheduled for
+    # seconds.  The clocksource watchdog then calls TSC unstable and switches clocksource
+    # (a stop_machine: all 8 CPUs must meet), and the lockup and RCU stall detectors print
+    # every CPU's backtrace over the emulated serial port: seen to stall a guest for minutes
+    # while other test runs loaded the host.  TSC is the host's clock here; the detectors
+    # would only report the host's load.
+    "tsc=reliable",
+    "nowatchdog",
+    "rcupdate.rcu_cpu_stall_suppress=1",
+    "sysctl.kernel.hung_task_timeout_secs=0",
 )
 
 
