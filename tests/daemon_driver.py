@@ -93,5 +93,8 @@ class Driver:
         return StateStore(self.settings.state_dir).peek().state
 
     def close(self) -> None:
+        """What the end of the daemon's process would give up: its claim on the state
+        directory, its hotplug listener, its event loop."""
+        self.daemon.stop_hotplug()
         self.daemon.release_claim()
         self.loop.close()

@@ -47,7 +47,7 @@ class FakeRuntime:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._accept, str(self.socket_path))
+        self._server = await asyncio.start_unix_server(self.accept, str(self.socket_path))
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -66,7 +66,9 @@ class FakeRuntime:
         if self._writer is not None:
             self._writer.close()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one plugin's connection (each one its socket accepts; or one made elsewhere,
+        as a runtime launching its plugin hands it one end of a socket pair)."""
         self.connections += 1
         self.registered.clear()
         self.disconnected.clear()

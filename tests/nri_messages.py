@@ -16,6 +16,16 @@ def pod(name: str, qos: str = "guaranteed") -> pb.PodSandbox:
     return sandbox
 
 
+def guaranteed_pod(name: str, milli: int) -> pb.PodSandbox:
+    """A Guaranteed pod whose sandbox carries its CPU limit of ``milli`` (kubelet sends the
+    sum over its containers; NRI passes it on as ``pod_resources``)."""
+    sandbox = pod(name)
+    cpu = sandbox.linux.pod_resources.cpu
+    cpu.shares.value = milli * 1024 // 1000
+    cpu.period.value, cpu.quota.value = 100000, milli * 100
+    return sandbox
+
+
 def container(name: str, sandbox: pb.PodSandbox, milli: int, state: int = 3, cpus: str = ""):
     c = pb.Container(id=f"{name:0<64}", pod_sandbox_id=sandbox.id, name=name, state=state)
     c.linux.resources.cpu.shares.value = max(2, milli * 1024 // 1000)

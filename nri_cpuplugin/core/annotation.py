@@ -25,7 +25,10 @@ NIC_LOCALITY = f"nic-locality.{DOMAIN}"
 # Comma-separated interface names (in the pod's network namespace) that locality considers.
 NICS = f"nics.{DOMAIN}"
 
-KEYS = (EXCLUSIVE, ISOLATED, NIC_LOCALITY, NICS)
+# "true" keeps device interrupts off an exclusive container's CPUs while it holds them.
+IRQ_FREE = f"irq-free.{DOMAIN}"
+
+KEYS = (EXCLUSIVE, ISOLATED, NIC_LOCALITY, NICS, IRQ_FREE)
 
 # Not ours: CRI-O's high-performance runtime handler lifts the CFS quota of a Guaranteed
 # container with whole CPUs (pod cgroup and container cgroup, at StartContainer) when its pod
@@ -33,6 +36,10 @@ KEYS = (EXCLUSIVE, ISOLATED, NIC_LOCALITY, NICS)
 # handler allows it.  Read, so that our decision and CRI-O's cannot disagree (policy.py).
 CRIO_CPU_QUOTA = "cpu-quota.crio.io"
 CRIO_QUOTA_LIFTED = ("disable", "true")
+# Not ours either: CRI-O's high-performance handler keeps interrupts off a pod's CPUs when the
+# pod says "disable" (or the deprecated "true"); honoured the same way as our own annotation.
+CRIO_IRQ = "irq-load-balancing.crio.io"
+CRIO_IRQ_OFF = ("disable", "true")
 CONTAINER_SUFFIX = "/container."
 # What a refusal echoes of a value: enough to recognise it, never a pod author's megabyte.
 MAX_ECHO = 64
@@ -93,7 +100,7 @@ def read(annotations: Mapping[str, str], container_name: str) -> dict[str, str]:
     """Every annotation a decision reads for this container, whole: ``ours`` and CRI-O's quota
     one.  Looked up key by key, never iterated: a runtime's map of a pod's annotations is slow
     to walk, and the decision waits for this."""
-    names = (*_names_for(container_name), CRIO_CPU_QUOTA)
+    names = (*_names_for(container_name), CRIO_CPU_QUOTA, CRIO_IRQ)
     return {k: annotations[k] for k in names if k in annotations}
 
 

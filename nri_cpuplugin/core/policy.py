@@ -72,8 +72,16 @@ class Decision(Value):
 class StaticPolicy:
     name = POLICY_NAME
 
-    def __init__(self, topology: Topology, reserved: CPUSet, options: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        reserved: CPUSet,
+        options: Iterable[str] = (),
+        irq_free_all: bool = False,
+    ) -> None:
         self.topology = topology
+        # [irq] keep_off_exclusive: every exclusive container's CPUs kept free of interrupts.
+        self.irq_free_all = irq_free_all
         self.allocator = Allocator(topology, options)
         self.options = self.allocator.options
         self.strict = STRICT_CPU_RESERVATION in self.options
@@ -121,6 +129,7 @@ class StaticPolicy:
         reserved_cpus: CPUSet | None = None,
         reserved_count: int | None = None,
         options: Iterable[str] = (),
+        irq_free_all: bool = False,
     ) -> StaticPolicy:
         """Reserved CPUs as an explicit list (wins) or a count taken as kubelet takes it."""
         if reserved_cpus is None:
@@ -131,7 +140,7 @@ class StaticPolicy:
             except AllocationError as err:
                 hint = ": lower reserved_cpu_count" if reserved_count > 0 else ""
                 raise PolicyError(f"{err}{hint}", "config") from None
-        return cls(topology, reserved_cpus, options)
+        return cls(topology, reserved_cpus, options, irq_free_all)
 
     # --- pools ------------------------------------------------------------------------------
 
@@ -312,6 +321,7 @@ class StaticPolicy:
             nic_nodes=nic.nodes if nic is not None else CPUSet(),
             nics=nic.nics if nic is not None else (),
             nic_strict=bool(nic is not None and nic.strict and nic.nodes),
+            irq_free=self.wants_irq_free(workload),
         )
         sharing = {k: v for k, v in state.sharing.items() if k != workload.container_id}
         new_state = state.evolve(
@@ -347,10 +357,20 @@ class StaticPolicy:
             return None
         return self._assign(state, workload, cpus)
 
+    def wants_irq_free(self, workload: Workload) -> bool:
+        """Whether the container's exclusive CPUs are kept free of device interrupts: node-wide
+        (``[irq] keep_off_exclusive``), or asked by its pod (our annotation, or CRI-O's)."""
+        asked = _annotation_flag(workload, annotation.IRQ_FREE)
+        if asked is not None:
+            return asked
+        crio = workload.annotations.get(annotation.CRIO_IRQ, "").strip().lower()
+        return self.irq_free_all or crio in annotation.CRIO_IRQ_OFF
+
     def eligibility(self, workload: Workload) -> tuple[int | None, str, bool]:
         """(exclusive CPU count or None, why, from isolated CPUs?)."""
         opt_out = _annotation_flag(workload, annotation.EXCLUSIVE)
         wants_isolated = _annotation_flag(workload, annotation.ISOLATED) is True
+        _annotation_flag(workload, annotation.IRQ_FREE)  # a bad value is refused now
         if workload.qos != GUARANTEED:
             return None, f"{workload.qos} QoS shares", False
         count = workload.integer_cpus

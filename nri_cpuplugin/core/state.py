@@ -68,6 +68,8 @@ class Assignment(Value):
     # the CPUs added since, oldest first - a shrink gives back the newest first.
     initial: CPUSet = CPUSet()
     added: tuple[int, ...] = ()
+    # Device interrupts are kept off its CPUs while it holds them (core/irq.py).
+    irq_free: bool = False
 
     @property
     def degraded(self) -> bool:
@@ -110,6 +112,15 @@ class Earmark(Value):
     deferred: tuple[tuple[str, str, int], ...] = ()
 
 
+class IrqRecord(Value):
+    """CPUs taken out of one interrupt's affinity to keep them interrupt-free (core/irq.py):
+    given back when no container needs them so.  ``names`` are the interrupt's handlers as
+    /proc/interrupts shows them: a number reused by another device is not ours to restore."""
+
+    names: str
+    taken: CPUSet
+
+
 _EMPTY: Mapping = MappingProxyType({})
 
 
@@ -136,6 +147,9 @@ class NodeState(Value):
     # CPUs earmarked for pods (pod uid -> Earmark): out of the shared pool, not yet any
     # container's.
     earmarks: Mapping[str, Earmark] = _EMPTY
+    # Interrupts whose affinity we narrowed (number -> what we took; -1: the default affinity
+    # of new interrupts): recorded before the write, so a crash never loses what to give back.
+    irqs: Mapping[int, IrqRecord] = _EMPTY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "assignments", _frozen(self.assignments))
@@ -143,6 +157,7 @@ class NodeState(Value):
         object.__setattr__(self, "sharing", _frozen(self.sharing))
         object.__setattr__(self, "cgroups", _frozen(self.cgroups))
         object.__setattr__(self, "earmarks", _frozen(self.earmarks))
+        object.__setattr__(self, "irqs", _frozen(self.irqs))
 
     @cached_property
     def assigned(self) -> CPUSet:
@@ -185,6 +200,8 @@ def _assignment_document(a: Assignment) -> dict[str, Any]:
         entry["initial"] = str(a.initial)
     if a.added:
         entry["added"] = list(a.added)
+    if a.irq_free:
+        entry["irq_free"] = True
     return entry
 
 
@@ -205,6 +222,10 @@ def to_document(state: NodeState) -> dict[str, Any]:
         "sharing": dict(sorted(state.sharing.items())),
         "cgroups": dict(sorted(state.cgroups.items())),
     }
+    if state.irqs:  # only when set, as earmarks
+        body["irqs"] = {
+            str(n): {"names": r.names, "taken": str(r.taken)} for n, r in sorted(state.irqs.items())
+        }
     if state.earmarks:  # only when set: older documents keep their bytes and checksum
         body["earmarks"] = {uid: _earmark_body(e) for uid, e in sorted(state.earmarks.items())}
     body["checksum"] = checksum(body)
@@ -263,6 +284,7 @@ def decode(data: bytes) -> NodeState:
             sharing=_strings(doc, "sharing"),
             cgroups=_strings(doc, "cgroups"),
             earmarks={uid: _earmark(uid, e) for uid, e in _optional_map(doc, "earmarks").items()},
+            irqs=dict(_irq(n, e) for n, e in _optional_map(doc, "irqs").items()),
         )
     except (ValueError, TypeError, KeyError) as err:
         raise StateFormatError(f"malformed field: {err}") from None
@@ -293,6 +315,16 @@ def _assignment(cid: str, entry: Any) -> Assignment:
         nic_strict=shape.boolean(entry, "nic_strict"),
         initial=CPUSet.parse(shape.string(entry, "initial", optional=True) or ""),
         added=tuple(_cpu_ids(entry.get("added", []), f"assignment {cid!r} added")),
+        irq_free=shape.boolean(entry, "irq_free"),
+    )
+
+
+def _irq(number: str, entry: Any) -> tuple[int, IrqRecord]:
+    if not (number.isdigit() or number == "-1") or len(number) > 9:
+        raise TypeError(f"interrupt {number[:20]!r} is not an interrupt number")
+    entry = shape.obj(entry, f"interrupt {number}")
+    return int(number), IrqRecord(
+        shape.string(entry, "names"), CPUSet.parse(shape.string(entry, "taken"))
     )
 
 

@@ -42,14 +42,18 @@ def _create(
     node: Node, event: ev.CreateContainer, early: Target | None, deliver: Deliver
 ) -> Effects:
     workload = event.workload
+    cid = workload.container_id
     node.sandboxes[event.pod.uid] = event.pod.sandbox_id
-    before = node.state
+    # What takes the decision back if the request turns out answered with an error: part of
+    # the answer handed over, which is all the late part (daemon/late.py) gets of it.
+    tracked = cid in node.state.assignments or cid in node.state.sharing
+    undo = None if tracked else ev.Release(cid, "creation answered with an error")
     try:
         # Outside the lock: it reads netlink and sysfs, never the state (about 1-3 ms).
         locality = _nic_locality(node, event)
         with node.file.locked():
             outcome, committed = _decide_creation(node, workload, locality)
-            effects, proceed = _answer_creation(node, event, outcome, early, deliver)
+            effects, proceed = _answer_creation(node, event, outcome, early, deliver, undo)
             if not committed:
                 _settle_creation(node, outcome, proceed)
     except PolicyError as err:
@@ -62,10 +66,7 @@ def _create(
     if outcome.decision is not None and outcome.decision.exclusive:
         node.metrics.pinning_request()
     node.audit.emit(outcome.events)
-    cid = workload.container_id
-    tracked = cid in before.assignments or cid in before.sharing
-    undo = None if tracked else ev.Release(cid, "creation answered with an error")
-    return effects.evolve(undo=undo)
+    return effects
 
 
 def _settle_creation(node: Node, outcome: Outcome, proceed: bool) -> None:
@@ -115,7 +116,12 @@ def _decide_creation(
 
 
 def _answer_creation(
-    node: Node, event: ev.CreateContainer, outcome: Outcome, early: Target | None, deliver: Deliver
+    node: Node,
+    event: ev.CreateContainer,
+    outcome: Outcome,
+    early: Target | None,
+    deliver: Deliver,
+    undo: ev.Release | None,
 ) -> tuple[Effects, bool]:
     """Move the shared containers and answer: (the answer, whether the decision stands)."""
     mine, *others = outcome.targets
@@ -129,7 +135,7 @@ def _answer_creation(
     carried = (t.container_id for t in outcome.targets)
     owed = routes.owed_targets(carried, node.engine, state)
     updates = routes.for_reply(unwritten + owed, state)
-    effects = Effects(own=mine, updates=tuple(updates))
+    effects = Effects(own=mine, updates=tuple(updates), undo=undo)
     if early is None:
         return effects, deliver(effects)
     if mine != early or updates:

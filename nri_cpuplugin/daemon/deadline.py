@@ -84,6 +84,7 @@ BACKGROUND = {
     ev.RecheckEvictions: "hotplug",
     ev.SweepRound: "sweep",
     ev.CommitHeld: "drain",
+    ev.IrqRescan: "irq",
     ev.Disconnected: "disconnect",
 }
 
@@ -126,7 +127,11 @@ class Deadline:
         name = REQUESTS[type(event)]
         node = self.node
         job = self.worker.submit(
-            name, self._handle, event, late=lambda job: finish_late(node, job), refusable=True
+            name,
+            self._handle,
+            event,
+            late=lambda job: finish_late(node, job),
+            refusable=_refusable(node, event),
         )
         budget = self.budget
         if await self.worker.finished(job, budget):
@@ -217,6 +222,18 @@ class Deadline:
         if phase in reasons:
             return phase, reasons[phase]
         return DECIDING, "deciding"
+
+
+def _refusable(node: Node, event: Any) -> bool:
+    """Whether an error answer (the stub's guard's, when it comes first) means the runtime's
+    operation did not happen, so that the event must not go on deciding: a creation, an
+    update (a resize), a start that decides its container.  Any other event happened all the
+    same - a stop, a removal - and is done late, whatever the runtime was answered."""
+    if isinstance(event, (ev.CreateContainer, ev.UpdateContainer)):
+        return True
+    return isinstance(event, ev.StartContainer) and node.query_decides_at_start(
+        event.workload.container_id
+    )
 
 
 # --- what a request is answered with when its event is not handled in time ------------------------

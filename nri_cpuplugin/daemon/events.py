@@ -143,6 +143,11 @@ class Disconnected(Value):
     """The runtime's connection ended: its next one lists its containers again."""
 
 
+class IrqRescan(Value):
+    """Look at the interrupts again (new ones, ones irqbalance moved) while CPUs are kept free
+    of them."""
+
+
 class CommitHeld(Value):
     """Commit the state held in memory, if the file lags behind it (before the daemon exits)."""
 

@@ -35,6 +35,7 @@ from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover
 from ..core.workload import Workload
+from ..hardware.irq_keeper import Roots
 from ..hardware.liveness import Liveness
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
@@ -78,7 +79,8 @@ class Node:
         self.audit = audit
         self.metrics: Any = NoMetrics()
         self.progress = progress or NoProgress()
-        self.pod_nics = pod_nics or PodNICs()
+        # (Not ``pod_nics or``: an empty one is false, and the adapter fills the one given.)
+        self.pod_nics = pod_nics if pod_nics is not None else PodNICs()
         self.later = later
         self._units = units
         self.owed = Owed()
@@ -104,6 +106,11 @@ class Node:
         # Stop/RemovePodSandbox for them, so the sweep watches their cgroups instead.
         self.unrelayed_pods: dict[str, str] = {}
         self.sweeping = False
+        # Interrupts: the kept-free CPUs last applied (None: not yet), the interrupts the kernel
+        # refused to move (managed ones), whether a rescan is scheduled (daemon/upkeep.py).
+        self.irq_kept: CPUSet | None = None
+        self.irq_unchangeable: frozenset[tuple[int, str]] = frozenset()
+        self.irq_rescanning = False
         self.file = StateFile(settings.state_dir, self.progress)
         self._build(merge(settings, self.flags))  # a bad configuration fails now
 
@@ -114,6 +121,7 @@ class Node:
             settings.reserved_cpus,
             settings.effective_reserved_count,
             settings.policy_options,
+            settings.irq_keep_off_exclusive,
         )
         self.settings = settings
         self.engine = Engine(policy, settings.cfs_quota)
@@ -121,6 +129,7 @@ class Node:
         # host's cgroups, so nothing is read from or written to them.
         self.liveness = Liveness(f"{settings.sysfs}/fs/cgroup")
         self.writer = CgroupWriter(self.liveness, self.audit, self._units)
+        self.irq_roots = Roots.beside(settings.sysfs)
         self.routes = Routes(self.writer, self.owed, self.audit, self.progress)
         self.file.retarget(settings.state_dir)
         # Loaded by load_state(), under the lock; until then nothing is decided.
@@ -138,7 +147,12 @@ class Node:
     def handle(self, event: object, deliver: Deliver = keep) -> Effects:
         """Turn one event into effects (see the module text).  Raises PolicyError when the
         request must fail (the runtime then fails the operation, kubelet retries it)."""
-        return HANDLERS[type(event)](self, event, deliver)
+        effects = HANDLERS[type(event)](self, event, deliver)
+        if self.loaded:
+            # After the event's answer and commit: its CPUs kept free of interrupts, or given
+            # back, as its outcome says (nothing to do, and one set comparison, most times).
+            upkeep.keep_irqs_free(self)
+        return effects
 
     # --- queries (from the event loop too) -------------------------------------------------------
 
@@ -318,4 +332,5 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.Release: upkeep.release,
     ev.Restore: upkeep.restore,
     ev.Owe: upkeep.owe,
+    ev.IrqRescan: upkeep.rescan_irqs,
 }

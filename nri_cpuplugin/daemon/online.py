@@ -24,7 +24,9 @@ def engine_for_online_cpus(
         if topology.fingerprint() == old.topology.fingerprint():
             audit.record("hotplug", f"{what}: no change in {sysfs}", audit_mod.DEBUG)
             return None
-        policy = StaticPolicy(topology, old.policy.reserved, old.policy.options)
+        policy = StaticPolicy(
+            topology, old.policy.reserved, old.policy.options, old.policy.irq_free_all
+        )
     except (TopologyError, PolicyError) as err:
         audit.record(
             "hotplug",

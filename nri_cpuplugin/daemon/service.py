@@ -2,7 +2,7 @@
 
     runtime ─▶ nri.Stub ─▶ NRIAdapter ─▶ Deadline ─▶ worker ─▶ Node ─▶ CgroupWriter (cgroupfs,
                             (protobuf)   (budget)             (state)   systemd units)
-    kernel uevents ─▶ HotplugSource ─┐
+    kernel uevents ─▶ _cpu_events ───┐
     timers (sweep, evictions) ───────┴▶ Deadline.submit
 
 Sources only submit events; the node is the one owner of the state.  The NIC read-ahead is a

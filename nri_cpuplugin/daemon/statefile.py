@@ -39,7 +39,7 @@ class StateFile:
         self.store = StateStore(state_dir, lock_timeout=-1)
         self.progress = progress or NoProgress()
         # The state in memory is not the one in the file: a creation's commit waits for its
-        # StartContainer (Node._hold), or a commit failed (a full disk).
+        # StartContainer (Node.hold), or a commit failed (a full disk).
         self.unsaved = False
         self._claim: tuple[str, int] | None = None  # (state directory, the claim's descriptor)
 

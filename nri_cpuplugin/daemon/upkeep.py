@@ -5,12 +5,16 @@ to, and takes back or owes what a request answered without its decision did late
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
+from ..core import irq
 from ..core.cpuset import CPUSet
 from ..core.engine import Outcome
 from ..core.policy import StaticPolicy
+from ..core.state import IrqRecord
+from ..hardware import irq_keeper
 from ..hardware.liveness import pinned_cpus
 from ..ops import audit as audit_mod
 from . import events as ev
@@ -19,9 +23,16 @@ from .online import engine_for_online_cpus
 from .routes import cgroup_target
 from .unverified import PINNED_EVERY, SWEEP_BATCH, SWEEP_INTERVAL
 
+log = logging.getLogger("nri_cpuplugin")
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .node import Node
+
+# While CPUs are kept free of interrupts, the interrupts are looked at again this often: new
+# devices' interrupts start on the default affinity, and irqbalance re-places every interrupt at
+# its rescans.
+IRQ_RESCAN = 10.0
 
 # cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
 # repaired it: look again this long after an offline event (bounded; nothing runs when idle).
@@ -54,20 +65,32 @@ def owe(node: Node, event: ev.Owe, deliver: Deliver = keep) -> Effects:
 def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> Effects:
     """Kernel uevents: the engine follows the new online set (replacement, degraded,
     return), and cgroups are written directly (cgroup v1 never gives a CPU back by
-    itself), CFS quotas included; the runtime hears of it from our next replies."""
+    itself), CFS quotas included; the runtime hears of it from our next replies.  A failure
+    is said loudly: the daemon runs on, and the next start follows the CPUs again."""
+    try:
+        _follow_online(node, event)
+    except Exception as err:
+        log.exception("following CPU hotplug failed")
+        node.audit.record(
+            "hotplug", f"following CPU hotplug failed: {err}", audit_mod.ERR, reason=str(err)
+        )
+    return NO_EFFECTS
+
+
+def _follow_online(node: Node, event: ev.CPUsChanged) -> None:
     old = node.engine
     settings = node.settings
     engine = engine_for_online_cpus(
         settings.sysfs, old, settings.cfs_quota, event.events, node.audit
     )
     if engine is None:
-        return NO_EFFECTS
+        return
     node.engine = engine
     went = old.topology.online - engine.topology.online
     came = engine.topology.online - old.topology.online
     node.returned |= came
     if not node.loaded:
-        return NO_EFFECTS  # load_state() repairs against this topology
+        return  # load_state() repairs against this topology
     before = node.state
     with node.file.locked():
         outcome = node.commit(engine.follow(node.state, old.policy))
@@ -84,11 +107,13 @@ def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> 
         shared_cpus=node.state.shared,
     )
     node.routes.push(outcome.targets, node.state, "CPU hotplug")
+    # Unmanaged interrupts left without an online CPU were reset to all of them (exclusive
+    # ones included), and some drivers reset their vectors at any hotplug: look again.
+    keep_irqs_free(node, force=True)
     emptied = tuple(c for c in changed if StaticPolicy.cpuset_for(before, c) <= went)
     if went and emptied:
         for delay in EVICTION_RECHECKS:
             node.later(delay, ev.RecheckEvictions(emptied))
-    return NO_EFFECTS
 
 
 def repair_cgroups(node: Node, cids: Iterable[str], grow: CPUSet | None) -> list[str]:
@@ -127,10 +152,8 @@ def start_sweep(node: Node) -> None:
 def sweep(node: Node, event: ev.SweepRound, deliver: Deliver = keep) -> Effects:
     """One round of the sweep; the next is scheduled while there is more to check."""
     node.sweeping = False
-    try:
-        sweep_round(node)
-    finally:  # a round that failed ends the chain; the next Configure begins a new one
-        start_sweep(node)
+    sweep_round(node)  # a round that fails ends the chain; the next Configure begins a new one
+    start_sweep(node)
     return NO_EFFECTS
 
 
@@ -145,8 +168,12 @@ def sweep_round(node: Node) -> None:
     forget_gone_pods(node)
     if not node.unverified:
         return
-    with node.file.locked():
-        outcome = forget_ended(node, limit=SWEEP_BATCH)
+    try:
+        with node.file.locked():
+            outcome = forget_ended(node, limit=SWEEP_BATCH)
+    except Exception as err:  # a lock that cannot be had, a check that failed: the next round
+        log.warning("checking unverified containers failed: %s", err)
+        return
     node.routes.push(outcome.targets, node.state, "ended unseen")
 
 
@@ -212,3 +239,31 @@ def learn_pinned(node: Node) -> None:
             reason="state lost",
         )
     node.pinned = pinned
+
+
+def keep_irqs_free(node: Node, force: bool = False) -> None:
+    """The kept-free CPUs of the state applied to the interrupts (hardware/irq_keeper.py), when
+    they changed since last time (``force``: whatever they are: after hotplug, a rescan)."""
+    free = irq.keep_free(node.state)
+    if not force and free == node.irq_kept:
+        return
+
+    def record(records: Mapping[int, IrqRecord]) -> None:
+        if dict(records) != dict(node.state.irqs):
+            with node.file.locked(decides=False):
+                node.commit(Outcome(node.state.evolve(irqs=records)))
+
+    kept = irq_keeper.keep_free(
+        node.irq_roots, node.state, node.policy.topology.online, node.irq_unchangeable, record
+    )
+    node.irq_kept = free
+    node.irq_unchangeable = kept.unchangeable
+    node.audit.emit(kept.events)
+    if free and not node.irq_rescanning:
+        node.irq_rescanning = node.later(IRQ_RESCAN, ev.IrqRescan())
+
+
+def rescan_irqs(node: Node, event: ev.IrqRescan, deliver: Deliver = keep) -> Effects:
+    node.irq_rescanning = False
+    keep_irqs_free(node, force=True)
+    return NO_EFFECTS

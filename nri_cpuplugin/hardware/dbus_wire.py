@@ -26,6 +26,15 @@ import struct
 
 from ..base.errors import PluginError
 
+TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, TypeAlias
+
+    # A complete type as parse_signature gives it: a type code (a basic type or "v"), or
+    # ("a", element), ("(", fields), ("{", key, value).
+    _Node: TypeAlias = str | tuple[Any, ...]
+
 # message types
 METHOD_CALL, METHOD_RETURN, ERROR, SIGNAL = 1, 2, 3, 4
 # flags
@@ -109,10 +118,10 @@ class Variant:
 
 # --- signatures -----------------------------------------------------------------------------
 
-_parsed: dict[str, tuple] = {}
+_parsed: dict[str, tuple[_Node, ...]] = {}
 
 
-def parse_signature(signature: str) -> tuple:
+def parse_signature(signature: str) -> tuple[_Node, ...]:
     """The complete types of ``signature`` as a tree: a type code string for basic types and
     ``v``, ``("a", element)``, ``("(", fields)``, ``("{", key, value)``.  Parsed once per
     distinct signature (a reply's signatures repeat)."""
@@ -131,7 +140,7 @@ def parse_signature(signature: str) -> tuple:
     return tree
 
 
-def _complete_type(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _complete_type(signature: str, position: int, arrays: int, structs: int) -> tuple[_Node, int]:
     code = signature[position]
     if code in _BASIC or code == "v":
         return code, position + 1
@@ -158,7 +167,7 @@ def _complete_type(signature: str, position: int, arrays: int, structs: int) -> 
     raise DBusWireError(f"signature {signature!r}: {code!r} is not a type here")
 
 
-def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tuple[_Node, int]:
     # a{kv}: only directly inside an array, a basic key, exactly one value
     if structs >= MAX_DEPTH:
         raise DBusWireError(f"signature {signature!r} nests structs deeper than 32")
@@ -171,7 +180,9 @@ def _dict_entry(signature: str, position: int, arrays: int, structs: int) -> tup
     return ("a", ("{", key, value)), end + 1
 
 
-def _complete_type_checked(signature: str, position: int, arrays: int, structs: int) -> tuple:
+def _complete_type_checked(
+    signature: str, position: int, arrays: int, structs: int
+) -> tuple[_Node, int]:
     if position >= len(signature):
         raise DBusWireError(f"signature {signature!r} ends inside a dict entry")
     return _complete_type(signature, position, arrays, structs)
@@ -184,67 +195,95 @@ def _pad(buf: bytearray, alignment: int) -> None:
     buf += b"\0" * (-len(buf) % alignment)
 
 
-def _write(buf: bytearray, node: object, value: object) -> None:
+# value (here and in the _write_* below): what the caller gave for the type node; only the
+# signature, at run time, says its shape (Any: a value of the wrong shape raises as Python does
+# with it)
+def _write(buf: bytearray, node: _Node, value: Any) -> None:
     if isinstance(node, str):
-        if node in _FIXED:
-            fmt, size = _FIXED[node]
-            _pad(buf, size)
-            if node == "b":
-                value = 1 if value else 0
-            try:
-                buf += struct.pack("<" + fmt, value)
-            except struct.error as e:
-                raise DBusWireError(f"{value!r} does not fit D-Bus type {node!r}: {e}") from None
-        elif node in "so":
-            data = _text(value, node)
-            _pad(buf, 4)
-            buf += struct.pack("<I", len(data)) + data + b"\0"
-        elif node == "g":
-            parse_signature(value)
-            data = _text(value, node)
-            buf += bytes((len(data),)) + data + b"\0"
-        else:  # v
-            if not isinstance(value, Variant):
-                raise DBusWireError(f"a variant needs a Variant, not {type(value).__name__}")
-            types = parse_signature(value.signature)
-            if len(types) != 1:
-                raise DBusWireError(f"variant signature {value.signature!r} is not one type")
-            _write(buf, "g", value.signature)
-            _write(buf, types[0], value.value)
-        return
-    kind = node[0]
-    if kind == "a":
-        element = node[1]
-        _pad(buf, 4)
-        at = len(buf)
-        buf += b"\0\0\0\0"
-        _pad(buf, _alignment(element))
-        start = len(buf)  # the length counts from the first element, after its padding
-        if element == "y":
-            buf += bytes(value)
-        elif isinstance(element, tuple) and element[0] == "{":
-            items = value.items() if isinstance(value, dict) else value
-            for key, item in items:
-                _pad(buf, 8)
-                _write(buf, element[1], key)
-                _write(buf, element[2], item)
-        else:
-            for item in value:
-                _write(buf, element, item)
-        size = len(buf) - start
-        if size > MAX_ARRAY:
-            raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
-        struct.pack_into("<I", buf, at, size)
+        _WRITE_BASIC[node](buf, node, value)
+    elif node[0] == "a":
+        _write_array(buf, node[1], value)
     else:  # struct
-        fields = node[1]
-        if not isinstance(value, (tuple, list)) or len(value) != len(fields):
-            raise DBusWireError(f"a struct of {len(fields)} fields needs as many values")
-        _pad(buf, 8)
-        for field, item in zip(fields, value, strict=True):
-            _write(buf, field, item)
+        _write_struct(buf, node[1], value)
 
 
-def _alignment(node: object) -> int:
+def _write_fixed(buf: bytearray, code: str, value: Any) -> None:
+    fmt, size = _FIXED[code]
+    _pad(buf, size)
+    try:
+        buf += struct.pack("<" + fmt, value)
+    except struct.error as e:
+        raise DBusWireError(f"{value!r} does not fit D-Bus type {code!r}: {e}") from None
+
+
+def _write_boolean(buf: bytearray, code: str, value: Any) -> None:
+    _write_fixed(buf, code, 1 if value else 0)
+
+
+def _write_string(buf: bytearray, code: str, value: Any) -> None:  # s, o
+    data = _text(value, code)
+    _pad(buf, 4)
+    buf += struct.pack("<I", len(data)) + data + b"\0"
+
+
+def _write_signature(buf: bytearray, code: str, value: Any) -> None:
+    parse_signature(value)
+    data = _text(value, code)
+    buf += bytes((len(data),)) + data + b"\0"
+
+
+def _write_variant(buf: bytearray, code: str, value: Any) -> None:
+    if not isinstance(value, Variant):
+        raise DBusWireError(f"a variant needs a Variant, not {type(value).__name__}")
+    types = parse_signature(value.signature)
+    if len(types) != 1:
+        raise DBusWireError(f"variant signature {value.signature!r} is not one type")
+    _write_signature(buf, "g", value.signature)
+    _write(buf, types[0], value.value)
+
+
+_WRITE_BASIC: dict[str, Callable[[bytearray, str, Any], None]] = {
+    **dict.fromkeys(_FIXED, _write_fixed),
+    "b": _write_boolean,
+    "s": _write_string,
+    "o": _write_string,
+    "g": _write_signature,
+    "v": _write_variant,
+}
+
+
+def _write_array(buf: bytearray, element: _Node, value: Any) -> None:
+    _pad(buf, 4)
+    at = len(buf)
+    buf += b"\0\0\0\0"
+    _pad(buf, _alignment(element))
+    start = len(buf)  # the length counts from the first element, after its padding
+    if element == "y":
+        buf += bytes(value)
+    elif isinstance(element, tuple) and element[0] == "{":
+        items = value.items() if isinstance(value, dict) else value
+        for key, item in items:
+            _pad(buf, 8)
+            _write(buf, element[1], key)
+            _write(buf, element[2], item)
+    else:
+        for item in value:
+            _write(buf, element, item)
+    size = len(buf) - start
+    if size > MAX_ARRAY:
+        raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
+    struct.pack_into("<I", buf, at, size)
+
+
+def _write_struct(buf: bytearray, fields: tuple[_Node, ...], value: Any) -> None:
+    if not isinstance(value, (tuple, list)) or len(value) != len(fields):
+        raise DBusWireError(f"a struct of {len(fields)} fields needs as many values")
+    _pad(buf, 8)
+    for field, item in zip(fields, value, strict=True):
+        _write(buf, field, item)
+
+
+def _alignment(node: _Node) -> int:
     return _ALIGN[node if isinstance(node, str) else node[0]]
 
 
@@ -376,78 +415,99 @@ class _Reader:
                 f"value of {size} bytes at offset {self.position} overruns the message"
             )
 
-    def read(self, node: object, depth: int) -> object:
+    def read(self, node: _Node, depth: int) -> object:
+        """The value of type ``node`` at the read position; ``depth``: the containers and
+        variants it is inside."""
         if isinstance(node, str):
             if node in _FIXED:
-                fmt, size = _FIXED[node]
-                self.align(size)
-                self.need(size)
-                (value,) = struct.unpack_from(self.order + fmt, self.data, self.position)
-                self.position += size
-                if node == "b":
-                    if value > 1:
-                        raise DBusWireError(f"boolean {value} is neither 0 nor 1")
-                    return bool(value)
-                return value
-            if node in "so":
-                self.align(4)
-                self.need(4)
-                (size,) = struct.unpack_from(self.order + "I", self.data, self.position)
-                self.position += 4
-                text = self.text(size)
-                if node == "o" and not valid_object_path(text):
-                    raise DBusWireError(f"{text!r} is not a D-Bus object path")
-                return text
+                return self.boolean() if node == "b" else self.number(node)
             if node == "g":
-                self.need(1)
-                size = self.data[self.position]
-                self.position += 1
-                text = self.text(size)
-                parse_signature(text)
-                return text
-            # v
-            signature = self.read("g", depth)
-            types = parse_signature(signature)
-            if len(types) != 1:
-                raise DBusWireError(f"variant signature {signature!r} is not one complete type")
-            self.variants += 1
-            if depth + 1 > 2 * MAX_DEPTH:
-                raise DBusWireError("values nest deeper than 64")
-            value = self.read(types[0], depth + 1)
-            return Variant(signature, value)
-        kind = node[0]
+                return self.signature()
+            if node == "v":
+                return self.variant(depth + 1)
+            return self.string(node)  # s, o
         if depth + 1 > 2 * MAX_DEPTH:
             raise DBusWireError("values nest deeper than 64")
-        if kind == "a":
-            element = node[1]
-            self.align(4)
-            self.need(4)
-            (size,) = struct.unpack_from(self.order + "I", self.data, self.position)
-            self.position += 4
-            if size > MAX_ARRAY:
-                raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
-            self.align(_alignment(element))
-            self.need(size)
-            stop = self.position + size
-            if element == "y":
-                value = bytes(self.data[self.position : stop])
-                self.position = stop
-                return value
-            is_dict = isinstance(element, tuple) and element[0] == "{"
-            items: list = []
-            while self.position < stop:
-                if is_dict:
-                    self.align(8)
-                    key = self.read(element[1], depth + 1)
-                    items.append((key, self.read(element[2], depth + 1)))
-                else:
-                    items.append(self.read(element, depth + 1))
-            if self.position != stop:
-                raise DBusWireError(f"array elements overrun its length of {size} bytes")
-            return dict(items) if is_dict else items
-        # struct
-        self.align(8)
+        if node[0] == "a":
+            return self.array(node[1], depth + 1)
+        self.align(8)  # a struct
         return tuple(self.read(field, depth + 1) for field in node[1])
+
+    def number(self, code: str) -> int | float:
+        """A value of a fixed-size type (``_FIXED``)."""
+        fmt, size = _FIXED[code]
+        self.align(size)
+        self.need(size)
+        value: int | float = struct.unpack_from(self.order + fmt, self.data, self.position)[0]
+        self.position += size
+        return value
+
+    def boolean(self) -> bool:
+        value = self.number("b")
+        if value > 1:
+            raise DBusWireError(f"boolean {value} is neither 0 nor 1")
+        return bool(value)
+
+    def uint32(self) -> int:
+        """A string's or an array's length."""
+        self.align(4)
+        self.need(4)
+        size: int = struct.unpack_from(self.order + "I", self.data, self.position)[0]
+        self.position += 4
+        return size
+
+    def string(self, code: str) -> str:  # s, o
+        text = self.text(self.uint32())
+        if code == "o" and not valid_object_path(text):
+            raise DBusWireError(f"{text!r} is not a D-Bus object path")
+        return text
+
+    def variant(self, depth: int) -> Variant:
+        """A ``v``: its signature, then its value at ``depth``."""
+        signature = self.signature()
+        types = parse_signature(signature)
+        if len(types) != 1:
+            raise DBusWireError(f"variant signature {signature!r} is not one complete type")
+        self.variants += 1
+        if depth > 2 * MAX_DEPTH:
+            raise DBusWireError("values nest deeper than 64")
+        return Variant(signature, self.read(types[0], depth))
+
+    def array(self, element: _Node, depth: int) -> bytes | list[object] | dict[object, object]:
+        """An array: its length, then its elements (at ``depth``); ``ay`` as bytes, an array of
+        dict entries as a dict."""
+        size = self.uint32()
+        if size > MAX_ARRAY:
+            raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
+        self.align(_alignment(element))
+        self.need(size)
+        stop = self.position + size
+        if element == "y":
+            data = bytes(self.data[self.position : stop])
+            self.position = stop
+            return data
+        items: list[object] | dict[object, object]
+        if isinstance(element, tuple) and element[0] == "{":
+            items = self.entries(element[1], element[2], stop, depth)
+        else:
+            items = self.elements(element, stop, depth)
+        if self.position != stop:
+            raise DBusWireError(f"array elements overrun its length of {size} bytes")
+        return items
+
+    def elements(self, element: _Node, stop: int, depth: int) -> list[object]:
+        items = []
+        while self.position < stop:
+            items.append(self.read(element, depth))
+        return items
+
+    def entries(self, key: _Node, value: _Node, stop: int, depth: int) -> dict[object, object]:
+        items = {}
+        while self.position < stop:
+            self.align(8)
+            entry = self.read(key, depth)
+            items[entry] = self.read(value, depth)
+        return items
 
     def header_fields(self) -> dict[int, object]:
         """The ``a(yv)`` of header fields, known codes by their specified types (a fast path:
@@ -467,7 +527,7 @@ class _Reader:
             self.need(1)
             code = self.data[self.position]
             self.position += 1
-            signature = self.read("g", 0)
+            signature = self.signature()
             expected = _FIELD_TYPES.get(code)
             if expected is None:
                 types = parse_signature(signature)
@@ -481,6 +541,15 @@ class _Reader:
         if self.position != stop:
             raise DBusWireError(f"header fields overrun their length of {size} bytes")
         return fields
+
+    def signature(self) -> str:
+        """A ``g`` value, checked to be a valid signature."""
+        self.need(1)
+        size = self.data[self.position]
+        self.position += 1
+        text = self.text(size)
+        parse_signature(text)
+        return text
 
     def text(self, size: int) -> str:
         self.need(size + 1)
@@ -508,37 +577,45 @@ class Message:
         self.fields = fields
         self.body = body
 
+    # parse_message reads each known field by its specified type (_FIELD_TYPES): REPLY_SERIAL
+    # is an int, the others str; the isinstance checks say so to the type checker.
+
     @property
     def reply_serial(self) -> int | None:
-        return self.fields.get(REPLY_SERIAL)
+        serial = self.fields.get(REPLY_SERIAL)
+        return serial if isinstance(serial, int) else None
+
+    def _text_field(self, code: int) -> str | None:
+        value = self.fields.get(code)
+        return value if isinstance(value, str) else None
 
     @property
     def error_name(self) -> str | None:
-        return self.fields.get(ERROR_NAME)
+        return self._text_field(ERROR_NAME)
 
     @property
     def sender(self) -> str | None:
-        return self.fields.get(SENDER)
+        return self._text_field(SENDER)
 
     @property
     def member(self) -> str | None:
-        return self.fields.get(MEMBER)
+        return self._text_field(MEMBER)
 
     @property
     def interface(self) -> str | None:
-        return self.fields.get(INTERFACE)
+        return self._text_field(INTERFACE)
 
     @property
     def path(self) -> str | None:
-        return self.fields.get(PATH)
+        return self._text_field(PATH)
 
     @property
     def destination(self) -> str | None:
-        return self.fields.get(DESTINATION)
+        return self._text_field(DESTINATION)
 
     @property
     def signature(self) -> str:
-        return self.fields.get(SIGNATURE) or ""
+        return self._text_field(SIGNATURE) or ""
 
     def error_text(self) -> str:
         """An error reply's message (its first argument when that is a string)."""
@@ -566,7 +643,7 @@ def message_size(data: bytes | bytearray | memoryview, offset: int = 0) -> int |
     (fields,) = struct.unpack_from("<I" if data[offset] == ord("l") else ">I", data, offset + 12)
     if fields > MAX_ARRAY:
         raise DBusWireError(f"header fields of {fields} bytes (at most {MAX_ARRAY})")
-    size = 16 + fields + (-(16 + fields) % 8) + body
+    size: int = 16 + fields + (-(16 + fields) % 8) + body
     if size > MAX_MESSAGE:
         raise DBusWireError(f"message of {size} bytes (at most {MAX_MESSAGE})")
     if serial == 0:
@@ -590,6 +667,7 @@ def parse_message(data: bytes) -> Message | None:
     if missing:
         raise DBusWireError(f"message of type {kind} lacks header fields {missing}")
     signature = fields.get(SIGNATURE, "")
+    assert isinstance(signature, str)  # header_fields reads SIGNATURE as a "g": a str
     body: tuple = ()
     if body_size or signature:
         body = tuple(reader.read(node, 0) for node in parse_signature(signature))

@@ -15,7 +15,8 @@ calls are pipelined on one connection, at most ``WINDOW`` unanswered at a time, 
 answers collected within one deadline; each unit gets its own ``UnitResult``.  The protocol
 is a sans-I/O ``Conversation`` (bytes in, results out) under two thin clients: ``SystemdClient``
 (blocking, for the OCI hook and the daemon's worker thread; it imports neither ``socket`` nor
-``asyncio``) and ``AsyncSystemdClient`` (asyncio, one connection kept for the daemon's life).
+``asyncio``) and ``AsyncSystemdClient`` (asyncio, one connection kept; the daemon does not use
+it yet).
 
 Unit names come from the runtime (a container's cgroupsPath) and are checked against systemd's
 unit name rules before they go on the bus.
@@ -31,7 +32,13 @@ from . import dbus_wire as wire
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
+    import _socket
+    import asyncio
     from collections.abc import Iterable, Sequence
+
+    _ProtocolBase = asyncio.Protocol  # _Protocol implements it, without asyncio at run time
+else:
+    _ProtocolBase = object
 
 SYSTEM_BUS = "/run/dbus/system_bus_socket"
 # systemd's own socket (PID 1 only, root only, peer to peer: no dbus-daemon in the way, no Hello)
@@ -253,7 +260,7 @@ class Batch:
         self.calls: list[tuple[str, bytes, bytes | None]] = []  # (unit, masks) not yet sent
         self.waiting: dict[int, str] = {}  # serial -> unit, sent and unanswered
         self.results: dict[str, UnitResult] = {}
-        self.waker: object = None  # the async client's future
+        self.waker: asyncio.Future[None] | None = None  # the async client's future
 
     @property
     def done(self) -> bool:
@@ -377,7 +384,8 @@ class Conversation:
     def _answer(self, message: wire.Message) -> None:
         if message.type not in (wire.METHOD_RETURN, wire.ERROR):
             return  # signals (NameAcquired), calls: nothing we asked for
-        batch = self.in_flight.pop(message.reply_serial or 0, None)
+        serial = message.reply_serial or 0
+        batch = self.in_flight.pop(serial, None)
         if batch is None:
             return  # the answer to a call given up on (its batch timed out)
         if batch is _HELLO:
@@ -387,7 +395,7 @@ class Conversation:
                 )
             self.name = message.body[0] if message.body else None
             return
-        unit = batch.waiting.pop(message.reply_serial, None)
+        unit = batch.waiting.pop(serial, None)
         if unit is not None:
             batch.results[unit] = classify(unit, message)
 
@@ -405,13 +413,12 @@ class Conversation:
         self.error = error
         self.closed = True
         for batch in {*self.in_flight.values(), *self.batches}:
-            if isinstance(batch, Batch):
-                batch.settle(outcome, error)
+            batch.settle(outcome, error)  # (the markers _HELLO and _ABANDONED have no units)
         self.in_flight.clear()
         self.batches.clear()
 
 
-_HELLO = object()  # in_flight marker of the Hello call
+_HELLO = Batch()  # in_flight marker of the Hello call
 _ABANDONED = Batch()  # in_flight marker of calls whose batch gave up (answers dropped)
 
 
@@ -431,6 +438,8 @@ def _connect_error(path: str, error: OSError) -> SystemdError:
         what = f"{path} is not open to this user: {PERMISSION_HINT}"
     elif isinstance(error, ConnectionRefusedError):
         what = f"nothing listens on {path}"
+    elif isinstance(error, TimeoutError):
+        what = f"connecting to {path} took too long"
     else:
         what = f"{path}: {error}"
     return SystemdError(f"cannot reach systemd's D-Bus API: {what}", "unreachable")
@@ -457,7 +466,7 @@ class SystemdClient:
     def __init__(self, path: str = SYSTEM_BUS, *, hello: bool | None = None) -> None:
         self.path = path
         self.hello = path != SYSTEMD_PRIVATE if hello is None else hello
-        self.sock: object = None
+        self.sock: _socket.socket | None = None
         self.conversation: Conversation | None = None
 
     def set_allowed(
@@ -467,13 +476,15 @@ class SystemdClient:
         all calls pipelined, every answer awaited until ``timeout`` seconds from now; a result
         per change, in order.  Never raises for systemd's answers or a lost connection."""
         deadline = time.monotonic() + timeout
-        if self.conversation is None or self.conversation.closed:
-            self._connect(deadline)
         conversation = self.conversation
+        if conversation is None or conversation.closed:
+            conversation = self._connect(deadline)
         batch = conversation.submit(changes)
         sock = self.sock
         try:
             while not batch.done:
+                # units wait only on an open conversation, and _connect opened its socket
+                assert sock is not None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     conversation.abandon(batch, TIMEOUT, _timeout_error(timeout))
@@ -505,20 +516,22 @@ class SystemdClient:
         the daemon at start-up.  None, or why systemd cannot be reached (``set_allowed``
         reconnects by itself in any case)."""
         deadline = time.monotonic() + timeout
-        if self.conversation is None or self.conversation.closed:
-            self._connect(deadline)
         conversation = self.conversation
+        if conversation is None or conversation.closed:
+            conversation = self._connect(deadline)
+        sock = self.sock
         try:
             while not conversation.closed and not conversation.ready:
+                assert sock is not None  # an open conversation: _connect opened its socket
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return SystemdError(
                         f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s",
                         "timeout",
                     )
-                self.sock.settimeout(remaining)
+                sock.settimeout(remaining)
                 try:
-                    data = self.sock.recv(65536)
+                    data = sock.recv(65536)
                 except TimeoutError:
                     continue
                 if not data:
@@ -533,7 +546,9 @@ class SystemdClient:
             return conversation.error
         return None
 
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float) -> Conversation:
+        """A new conversation, its socket connected and the greeting sent; or failed (closed,
+        no socket) when the socket cannot be reached."""
         import _socket  # (the C core: see the class docstring)
 
         self.close()
@@ -546,8 +561,9 @@ class SystemdClient:
         except OSError as e:
             sock.close()
             conversation.fail(UNREACHABLE, _connect_error(self.path, e))
-            return
+            return conversation
         self.sock = sock
+        return conversation
 
     def close(self) -> None:
         """Drop the connection (the next ``set_allowed`` opens a new one)."""
@@ -580,9 +596,10 @@ class AsyncSystemdClient:
         self.path = path
         self.hello = path != SYSTEMD_PRIVATE if hello is None else hello
         self.conversation: Conversation | None = None
-        self.transport: object = None
-        self.waiting: set[Batch] = set()  # batches awaited, not yet done
-        self.handshake: object = None  # connect()'s future, until the handshake is over
+        self.transport: asyncio.Transport | None = None
+        self.waiting: set[Batch] = set()  # batches awaited, not yet done (each with a waker)
+        # connect()'s future, until the handshake is over
+        self.handshake: asyncio.Future[None] | None = None
 
     async def set_allowed(
         self, changes: Sequence[tuple[str, Iterable[int], Iterable[int] | None]], timeout: float
@@ -592,17 +609,17 @@ class AsyncSystemdClient:
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if self.conversation is None or self.conversation.closed:
-            await self._connect(deadline)
         conversation = self.conversation
+        if conversation is None or conversation.closed:
+            conversation = await self._connect(deadline)
         batch = conversation.submit(changes)
         if not batch.done:
-            batch.waker = loop.create_future()
+            batch.waker = waker = loop.create_future()
             self.waiting.add(batch)
             self._flush()
             try:
                 async with asyncio.timeout_at(deadline):
-                    await batch.waker
+                    await waker
             except TimeoutError:
                 conversation.abandon(batch, TIMEOUT, _timeout_error(timeout))
             finally:
@@ -615,21 +632,22 @@ class AsyncSystemdClient:
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if self.conversation is None or self.conversation.closed:
-            await self._connect(deadline)
         conversation = self.conversation
+        if conversation is None or conversation.closed:
+            conversation = await self._connect(deadline)
         try:
             if not conversation.closed and not conversation.ready:
-                self.handshake = loop.create_future()
+                self.handshake = handshake = loop.create_future()
                 async with asyncio.timeout_at(deadline):
-                    await self.handshake
+                    await handshake
         except TimeoutError:
             return SystemdError(
                 f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s", "timeout"
             )
         return conversation.error if conversation.closed else None
 
-    async def _connect(self, deadline: float) -> None:
+    async def _connect(self, deadline: float) -> Conversation:
+        """As ``SystemdClient._connect``: a new conversation, connected and greeted, or failed."""
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -638,12 +656,12 @@ class AsyncSystemdClient:
         try:
             async with asyncio.timeout_at(deadline):
                 transport, _ = await loop.create_unix_connection(lambda: _Protocol(self), self.path)
-        except (OSError, TimeoutError) as e:
-            error = e if isinstance(e, OSError) else OSError("connecting took too long")
-            conversation.fail(UNREACHABLE, _connect_error(self.path, error))
-            return
+        except OSError as e:  # (the deadline's TimeoutError is an OSError too)
+            conversation.fail(UNREACHABLE, _connect_error(self.path, e))
+            return conversation
         self.transport = transport
         transport.write(conversation.greeting())
+        return conversation
 
     def _flush(self) -> None:
         if self.transport is not None and self.conversation is not None:
@@ -677,8 +695,10 @@ class AsyncSystemdClient:
         if over and handshake is not None and not handshake.done():
             handshake.set_result(None)
         for batch in self.waiting:
-            if batch.done and not batch.waker.done():
-                batch.waker.set_result(None)
+            waker = batch.waker
+            assert waker is not None  # set_allowed sets it before the batch waits
+            if batch.done and not waker.done():
+                waker.set_result(None)
 
     def close(self) -> None:
         """Drop the connection: batches still waiting are answered UNREACHABLE at once."""
@@ -691,9 +711,10 @@ class AsyncSystemdClient:
             self.transport = None
 
 
-class _Protocol:
+class _Protocol(_ProtocolBase):
     """asyncio's protocol interface for AsyncSystemdClient (duck-typed: no asyncio import at
-    module level, so the hook, which imports this module, never loads asyncio)."""
+    module level, so the hook, which imports this module, never loads asyncio; type checkers
+    see it derive from asyncio.Protocol)."""
 
     __slots__ = ("client",)
 

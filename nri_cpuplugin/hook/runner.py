@@ -51,6 +51,8 @@ TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
     from collections.abc import Mapping
 
+    from ..core.events import AuditEvent
+    from ..core.state import IrqRecord
     from ..hardware.nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
@@ -182,6 +184,7 @@ class Hook:
             self._fault("committed")
             grown = self._grow_ancestors(fs, engine, view)
             writes, unkept = self._write(fs, engine, dir_fd, view, outcome.state, committed, placed)
+            irq_events = self._keep_irqs_free(engine, outcome.state)
             returned, errors = self._return_evicted(fs, view, committed.targets)
             self._forget_records(dir_fd, view, outcome.state, committed.targets)
             self._fault("cleaned")
@@ -193,6 +196,7 @@ class Hook:
         self.audit.emit(outcome.events, **extra)
         self._report_repairs(returned, grown + errors)
         self._report_unkept(unkept)
+        self.audit.emit(irq_events)
         if refusal is not None and workload is not None:
             raise HookFailure(
                 str(refusal),
@@ -298,6 +302,24 @@ class Hook:
         old state still named them."""
         keep = set(state.assignments) | set(state.sharing) | targets.keys()
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
+
+    def _keep_irqs_free(self, engine: Engine, state: NodeState) -> tuple[AuditEvent, ...]:
+        """The interrupts brought in line with the committed state's kept-free CPUs (the lock
+        held), the records of what is taken committed with the state (hardware/irq_keeper.py).
+        Loaded only when some container asked for it, or something is left to give back."""
+        if not state.irqs and not any(a.irq_free for a in state.assignments.values()):
+            return ()
+        from ..hardware import irq_keeper
+
+        def record(records: Mapping[int, IrqRecord]) -> None:
+            nonlocal state
+            if dict(records) != dict(state.irqs):
+                state = state.evolve(irqs=records)
+                self.store.commit(state)
+
+        roots = irq_keeper.Roots.beside(self.settings.sysfs, self.options.proc)
+        online = engine.topology.online
+        return irq_keeper.keep_free(roots, state, online, frozenset(), record).events
 
     def _report_unkept(self, unkept: list[str]) -> None:
         if unkept:
@@ -498,7 +520,11 @@ class Hook:
         finally:
             os.close(dir_fd)
         policy = StaticPolicy.from_config(
-            topology, s.reserved_cpus, s.effective_reserved_count, s.policy_options
+            topology,
+            s.reserved_cpus,
+            s.effective_reserved_count,
+            s.policy_options,
+            s.irq_keep_off_exclusive,
         )
         return Engine(policy, s.cfs_quota)
 

@@ -107,6 +107,13 @@ RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
 
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """The pause between connection attempts: ``seconds``, or until the stub is stopped (the
+    stub's one use of the clock: tests record the pauses instead of waiting them out)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
+
+
 class RegistrationError(PluginError):
     """The runtime refused or ignored our RegisterPlugin."""
 
@@ -249,7 +256,7 @@ class Stub:
                 log.debug(
                     "cannot connect to %s: %s; retrying in %.2fs", self.socket_path, err, delay
                 )
-                await self._sleep_unless_stopped(delay)
+                await pause(self._stopping, delay)
                 delay = min(delay * 2, RECONNECT_MAX)
                 continue
             await self._serve_connection(reader, writer)
@@ -257,16 +264,12 @@ class Stub:
             # subscription, say) backs off rather than retry the same failure 20 times a second.
             delay = RECONNECT_MIN if self._configured else min(delay * 2, RECONNECT_MAX)
             if not self._stopping.is_set():
-                await self._sleep_unless_stopped(delay)
+                await pause(self._stopping, delay)
 
     def stop(self) -> None:
         self._stopping.set()
         if self._writer is not None:
             self._writer.close()
-
-    async def _sleep_unless_stopped(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -73,6 +73,9 @@ class Settings(Value):
     # Where the daemon reaches systemd to change the cpusets of systemd-driver containers as
     # systemd keeps them (daemon/units.py): "auto", "off", or a socket path.
     systemd_bus: str = "auto"
+    # Keep device interrupts off every exclusive container's CPUs (core/irq.py); pods may ask
+    # for it one by one with irq-free.nri-cpuplugin.io: "true" either way.
+    irq_keep_off_exclusive: bool = False
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -332,7 +335,8 @@ def _path(value: Any, where: str) -> str:
 
 
 # Every key of the TOML file and the runtime's config string: top-level keys, plus the [nri],
-# [metrics] and [systemd] tables ("table.key"), with the Settings field each sets and its check.
+# [metrics], [systemd] and [irq] tables ("table.key"), with the Settings field each sets and
+# its check.
 _KEYS: dict[str, tuple[str, Check]] = {
     "reserved_cpus": ("reserved_cpus", _reserved_cpus),
     "reserved_cpu_count": ("reserved_cpu_count", _reserved_cpu_count),
@@ -350,6 +354,7 @@ _KEYS: dict[str, tuple[str, Check]] = {
     "nri.pin_at": ("nri_pin_at", _one_of(PIN_AT)),
     "metrics.listen": ("metrics_listen", _listen),
     "systemd.bus": ("systemd_bus", _bus),
+    "irq.keep_off_exclusive": ("irq_keep_off_exclusive", _boolean),
 }
 _TABLES = frozenset(key.partition(".")[0] for key in _KEYS if "." in key)
 KNOWN_KEYS = sorted(_KEYS)

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ..core.cpuset import CPUSet
+from ..core.irq import DEFAULT, keep_free
 from ..core.state import Assignment, Earmark, NodeState
 from ..core.topology import Topology, TopologyError, discover
 from ..storage import owner
@@ -51,6 +52,8 @@ def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
         exclusive=str(state.assigned),
         exclusive_cpu_count=len(state.assigned),
         earmarked={uid: _earmark(e) for uid, e in sorted(state.earmarks.items())},
+        interrupt_free=str(keep_free(state)),
+        interrupts_narrowed=len([n for n in state.irqs if n != DEFAULT]),
         shared_containers=len(state.sharing),
         assignments=assignments,
         degraded=[a for a in assignments if a["degraded"]],
@@ -77,6 +80,7 @@ def _assignment(cid: str, a: Assignment, topology: Topology | None) -> dict[str,
         "nic_numa": str(a.nic_nodes),
         "nic_strict": a.nic_strict,
         "nic_honoured": _honoured(a.nic_nodes, numa, bool(a.cpus)),
+        "interrupt_free": a.irq_free,
     }
 
 
@@ -160,6 +164,11 @@ def _pool_lines(report: dict[str, Any]) -> list[str]:
     ]
     for mark in report.get("earmarked", {}).values():
         lines.append(f"earmarked   {mark['cpus']}  for pod {mark['pod']} (starting)")
+    if report.get("interrupt_free"):
+        lines.append(
+            f"irq-free    {report['interrupt_free']}  ({report['interrupts_narrowed']} "
+            "interrupts kept off them)"
+        )
     if report.get("isolated"):
         lines.append(f"isolated    {report['isolated']}")
     for node, info in report.get("numa", {}).items():

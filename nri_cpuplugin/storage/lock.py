@@ -7,9 +7,11 @@ exclude each other through the kernel; threads of one process through a mutex ke
 and a link planted in place of the lock file is refused, never followed.
 
 The lock file is opened relative to the state directory's handle, without following links, and
-must be a regular file.  Waiting is bounded: the hook, a short-lived single-threaded process,
-blocks in flock(2) under a one-shot SIGALRM (the next waiter runs the moment the lock is free);
-everything else polls with a short back-off, since a signal would disturb an event loop.
+must be a regular file.  Waiting is bounded unless the caller asks to wait for ever (the
+daemon, whose request budget answers the runtime meanwhile): the hook, a short-lived
+single-threaded process, blocks in flock(2) under a one-shot SIGALRM (the next waiter runs the
+moment the lock is free); everything else polls with a short back-off, since a signal would
+disturb an event loop.
 """
 
 from __future__ import annotations

@@ -528,12 +528,13 @@ def _context_switches(pid: int) -> int:
 
 
 def bench_audit_cost(rounds: int = 400) -> dict:
-    """The plugin's CreateContainer + StopContainer handlers with every decision sent to a real
-    systemd-journald (private mount namespace) vs with auditing switched off; two plugins on
-    their own state directories, calls alternating."""
+    """The daemon's CreateContainer + StopContainer (daemon/service.py, as ``nri-cpuplugin
+    run`` builds it; until each is done, its decision audited) with every decision sent to a
+    real systemd-journald (private mount namespace) vs with auditing switched off; two daemons
+    on their own state directories, calls alternating."""
     from harness.journald import PrivateJournal
 
-    from nri_cpuplugin.daemon.plugin import CPUPlugin
+    from nri_cpuplugin.daemon.service import Daemon as CPUDaemon
     from nri_cpuplugin.ops.audit import Audit, JournalSink
     from nri_cpuplugin.ops.config import Settings
 
@@ -541,24 +542,36 @@ def bench_audit_cost(rounds: int = 400) -> dict:
 
     samples: dict[str, list[float]] = {"journald": [], "off": []}
     with PrivateJournal() as journal, scratch() as tmp:
-        plugins = {}
+        daemons = {}
         for side in samples:
             audit = Audit(JournalSink(journal.socket_path))
-            plugin = CPUPlugin(Settings(state_dir=f"{tmp}/{side}", reserved_cpu_count=1), audit)
-            asyncio.run(plugin.configure("", "bench", "v0"))
-            audit.enabled = side == "journald"
-            plugins[side] = plugin
+            settings = Settings(state_dir=f"{tmp}/{side}", reserved_cpu_count=1)
+            daemons[side] = CPUDaemon(settings, audit)
         pod = realistic_pod(3)
-        for i in range(rounds):
-            for side in ("journald", "off") if i % 2 else ("off", "journald"):
-                container = realistic_container(pod, i)
-                container.linux.resources.cpu.quota.value = 100000
-                container.linux.resources.cpu.shares.value = 1024
-                start = time.perf_counter()
-                plugins[side].create_container(pod, container)
-                plugins[side].stop_container(pod, container)
-                samples[side].append(time.perf_counter() - start)
-                plugins[side].remove_container(pod, container)
+
+        async def measure() -> None:
+            for side, daemon in daemons.items():
+                await daemon.adapter.configure("", "bench", "v0")
+                daemon.stop_hotplug()
+                daemon.audit.enabled = side == "journald"
+            for i in range(rounds):
+                for side in ("journald", "off") if i % 2 else ("off", "journald"):
+                    daemon = daemons[side]
+                    container = realistic_container(pod, i)
+                    container.linux.resources.cpu.quota.value = 100000
+                    container.linux.resources.cpu.shares.value = 1024
+                    start = time.perf_counter()
+                    await daemon.adapter.create_container(pod, container)
+                    await daemon.adapter.stop_container(pod, container)
+                    await daemon.drain()  # what follows the answers: the audit records
+                    samples[side].append(time.perf_counter() - start)
+                    await daemon.adapter.remove_container(pod, container)
+
+        try:
+            asyncio.run(measure())
+        finally:
+            for daemon in daemons.values():
+                daemon.release_claim()
         entries = len(journal.entries("ACTION=allocate"))
     return {
         "journald": summary(samples["journald"]),

@@ -142,45 +142,51 @@ def bench_plugin_handlers(
     each creation is in a new pod whose sandbox started with its 1-CPU limit (RunPodSandbox,
     outside the figures), so it takes the pod's earmark and is answered from it; no shared
     neighbour (the earmark moved it already)."""
-    from nri_cpuplugin.daemon.deadline import DeadlinePlugin
+    from nri_cpuplugin.daemon.service import Daemon
     from nri_cpuplugin.ops.audit import Audit
     from nri_cpuplugin.ops.config import Settings
 
     samples: dict[str, list[float]] = {"create_container": [], "stop_container": []}
 
     async def run(tmp: str) -> None:
-        plugin = DeadlinePlugin(
-            Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None)
-        )
-        await plugin.configure("", "bench", "v0")
+        daemon = Daemon(Settings(state_dir=tmp, reserved_cpu_count=1), Audit(lambda r: None))
+        try:
+            await measure(daemon)
+        finally:
+            daemon.stop_hotplug()
+            daemon.release_claim()
+
+    async def measure(daemon: Daemon) -> None:
+        nri = daemon.adapter
+        await nri.configure("", "bench", "v0")
         if synchronized:
-            await plugin.synchronize([], [])
+            await nri.synchronize([], [])
         if not earmarked:  # (whose cgroup this bench cannot write: its update would be owed)
             burstable = realistic_pod(1)
             burstable.linux.cgroup_parent = f"/kubepods/burstable/pod{burstable.uid}"
-            await plugin.create_container(burstable, realistic_container(burstable, 1))
+            await nri.create_container(burstable, realistic_container(burstable, 1))
         pod = realistic_pod(2)
         for i in range(rounds):
             if earmarked:
                 pod = realistic_pod(10 + i)
                 cpu = pod.linux.pod_resources.cpu
                 cpu.shares.value, cpu.quota.value, cpu.period.value = 1024, 100000, 100000
-                await plugin.run_pod_sandbox(pod)
+                await nri.run_pod_sandbox(pod)
             container = realistic_container(pod, 10 + i)
             container.linux.resources.cpu.shares.value = 1024
             container.linux.resources.cpu.quota.value = 100000
             start = time.perf_counter()
-            adjust, _ = await plugin.create_container(pod, container)
+            adjust, _ = await nri.create_container(pod, container)
             samples["create_container"].append(time.perf_counter() - start)
             assert adjust.linux.resources.cpu.cpus
-            await plugin.drain()
+            await daemon.drain()
             start = time.perf_counter()
-            await plugin.stop_container(pod, container)
+            await nri.stop_container(pod, container)
             samples["stop_container"].append(time.perf_counter() - start)
-            await plugin.remove_container(pod, container)
+            await nri.remove_container(pod, container)
             if earmarked:
-                await plugin.remove_pod_sandbox(pod)
-            await plugin.drain()
+                await nri.remove_pod_sandbox(pod)
+            await daemon.drain()
 
     with scratch() as tmp:
         asyncio.run(run(tmp))

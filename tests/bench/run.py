@@ -608,7 +608,8 @@ def _pinned_at_start(results: list[dict]) -> list[str]:
         "",
         'The same rounds, on a fourth containerd whose daemon runs with `[nri] pin_at = "start"`: '
         "it is not consulted at CreateContainer, and decides each container at its "
-        "StartContainer, before the first instruction (the cgroupfs driver only; "
+        "StartContainer, before the first instruction (the systemd driver too, through "
+        "systemd's D-Bus API; "
         'docs/architecture.md, "Pinning at start"). Ratios against the same no-plugin side. '
         "*Window open* as above (the earmark moved the shared containers when the pod "
         "started); *misplaced* counts started exclusive containers not on CPU 1 alone (also "

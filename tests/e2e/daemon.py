@@ -131,7 +131,7 @@ class Daemon:
 
 def settled_state(state_dir: Path) -> dict:
     """state.json once a daemon's commits have settled: it commits a creation after its
-    answer (daemon/plugin.py)."""
+    answer (the commit rule of daemon/statefile.py)."""
     path = state_dir / "state.json"
     text = path.read_text()
     deadline = time.monotonic() + 10

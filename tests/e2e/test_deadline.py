@@ -49,8 +49,9 @@ def test_a_held_state_lock_is_answered_in_time_not_left_to_the_runtime(container
     assert len(daemon.new_records("connect")) == 1 and not daemon.new_records("disconnect")
     assert "closing plugin" not in containerd.log_path.read_text(errors="replace")
     missed = daemon.new_records("deadline")
-    [refusal] = [r for r in missed if r.get("POD_NAME") == "late"]
-    [pooled] = [r for r in missed if r.get("POD_NAME") == "shared"]
+    created = [r for r in missed if r["EVENT"] == "CreateContainer"]
+    [refusal] = [r for r in created if r.get("POD_NAME") == "late"]
+    [pooled] = [r for r in created if r.get("POD_NAME") == "shared"]
     assert (refusal["EVENT"], refusal["REASON"]) == ("CreateContainer", "state-lock")
     assert "answered with an error" in refusal["MESSAGE"]
     # Queued behind the refused one, which still waits for the lock: the same cause.

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from daemon_driver import Driver, Records
 from harness.private_mount import fill, in_private_tmpfs
 from harness.runc import CgroupSandbox, pod, sandbox
 from nri_messages import container
@@ -16,8 +17,6 @@ from nri_messages import pod as nri_pod
 from topologies import build
 
 from nri_cpuplugin.core.policy import PolicyError
-from nri_cpuplugin.daemon.plugin import CPUPlugin
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
 
@@ -71,28 +70,33 @@ def test_daemon_on_a_full_disk(tmp_path) -> None:
     settings = Settings(sysfs=str(root), state_dir=state_dir, reserved_cpu_count=2)
 
     def scenario() -> dict:
-        records: list[dict] = []
-        plugin = CPUPlugin(settings, Audit(records.append))
-        plugin.load_state()
-        web = nri_pod("web", "burstable")
-        plugin.create_container(web, container("nginx", web, 500))
+        records = Records()
+        plugin = Driver(settings, records)
+        try:
+            plugin.configure()
+            web = nri_pod("web", "burstable")
+            plugin.create_container(web, container("nginx", web, 500))
+        finally:
+            plugin.close()  # the daemon is gone (its claim with it)
         fill(state_dir)
         # A restart with a valid state on a full disk: nothing changed, nothing written.
-        plugin.release_claim()  # the old daemon is gone (its claim with it)
-        restarted = CPUPlugin(settings, Audit(records.append))
-        restarted.load_state()
-        api = nri_pod("api", "burstable")
-        adjust, _ = restarted.create_container(api, container("api", api, 250))
-        db = nri_pod("db")
+        restarted = Driver(settings, records)
         try:
-            restarted.create_container(db, container("postgres", db, 2000))
-            refusal = None
-        except PolicyError as err:
-            refusal = [err.code, str(err)]
-        # Once the runtime has listed its containers (as it does at every reconnection), an
-        # exclusive assignment a crash kept from the disk comes back from that list: granted.
-        restarted.synchronize([web, api, db], [])
-        granted, _ = restarted.create_container(db, container("postgres", db, 2000))
+            restarted.configure()
+            api = nri_pod("api", "burstable")
+            adjust, _ = restarted.create_container(api, container("api", api, 250))
+            db = nri_pod("db")
+            try:
+                restarted.create_container(db, container("postgres", db, 2000))
+                refusal = None
+            except PolicyError as err:
+                refusal = [err.code, str(err)]
+            # Once the runtime has listed its containers (as it does at every reconnection),
+            # an exclusive assignment a crash kept from the disk comes back from that list.
+            restarted.synchronize([web, api, db], [])
+            granted, _ = restarted.create_container(db, container("postgres", db, 2000))
+        finally:
+            restarted.close()
         return {
             "shared_cpus": adjust.linux.resources.cpu.cpus,
             "granted": granted.linux.resources.cpu.cpus,

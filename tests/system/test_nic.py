@@ -4,12 +4,12 @@ machines."""
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import random
 
 import pytest
+from daemon_driver import Driver
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 from sysfs_gen import write_fake_device
 from topologies import build, topology
@@ -17,10 +17,8 @@ from topologies import build, topology
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import GUARANTEED, Workload
-from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.hardware import nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.status import snapshot
 
@@ -278,45 +276,42 @@ def nri_container(name: str, sandbox: pb.PodSandbox, cpus: int) -> pb.Container:
     return c
 
 
-class Records(list):
-    def __call__(self, record):
-        self.append(record)
-
-    def of(self, action):
-        return [r for r in self if r["ACTION"] == action]
-
-
-def test_the_plugin_places_next_to_the_nic_explains_it_and_fails_strict_cleanly(tmp_path, lower):
+def test_the_daemon_places_next_to_the_nic_explains_it_and_fails_strict_cleanly(tmp_path, lower):
     root, topo = fake_tree(tmp_path, TWO_NODES, lower, 1)
-    records = Records()
     state_dir = tmp_path / "state"
     settings = Settings(sysfs=str(root), state_dir=str(state_dir), reserved_cpus=P("0,24"))
-    plugin = CPUPlugin(settings, Audit(records))
-    asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
-    plugin.stop_hotplug()
-    with pod_netns() as ns:
-        ns.add_veth("eth0")
-        ns.add_macvlan(lower.name, "net1")
-        pod = nri_pod("dpdk", ns.path)
-        adjust, _ = plugin.create_container(pod, nri_container("fwd", pod, 4))
-        assert CPUSet.parse(adjust.linux.resources.cpu.cpus) <= topo.numa_nodes[1]
-        [record] = records.of("nic-locality")
-        assert record["HONOURED"] == "honoured" and record["NIC_NUMA"] == "1"
-        # Node 1 now has 20 free CPUs: a strict request for 22 fails cleanly, with the reason.
-        strict = nri_pod("greedy", ns.path, **{nic.LOCALITY_ANNOTATION: "strict"})
-        before = plugin.state
-        with pytest.raises(PolicyError, match="NIC locality is strict"):
-            plugin.create_container(strict, nri_container("big", strict, 22))
-        assert plugin.state == before and records.of("refuse")
-        # Without strict it is placed anyway, and the audit says the preference was not met.
-        loose = nri_pod("loose", ns.path)
-        adjust, _ = plugin.create_container(loose, nri_container("big2", loose, 22))
-        assert not CPUSet.parse(adjust.linux.resources.cpu.cpus) <= topo.numa_nodes[1]
-        assert records.of("nic-locality")[-1]["HONOURED"] == "not honoured"
-    # A host-network pod: no inspection at all.
-    host = nri_pod("hostnet", None)
-    plugin.create_container(host, nri_container("h", host, 1))
-    assert records.of("nic-locality")[-1]["HONOURED"] == "no preference"
+    plugin = Driver(settings)
+    records = plugin.records
+    try:
+        plugin.configure()
+        plugin.daemon.stop_hotplug()
+        with pod_netns() as ns:
+            ns.add_veth("eth0")
+            ns.add_macvlan(lower.name, "net1")
+            pod = nri_pod("dpdk", ns.path)
+            adjust, _ = plugin.create_container(pod, nri_container("fwd", pod, 4))
+            assert CPUSet.parse(adjust.linux.resources.cpu.cpus) <= topo.numa_nodes[1]
+            [record] = records.of("nic-locality")
+            assert record["HONOURED"] == "honoured" and record["NIC_NUMA"] == "1"
+            # Node 1 now has 20 free CPUs: a strict request for 22 fails cleanly, with the
+            # reason.
+            strict = nri_pod("greedy", ns.path, **{nic.LOCALITY_ANNOTATION: "strict"})
+            before = plugin.state
+            with pytest.raises(PolicyError, match="NIC locality is strict"):
+                plugin.create_container(strict, nri_container("big", strict, 22))
+            assert plugin.state == before and records.of("refuse")
+            # Without strict it is placed anyway, and the audit says the preference was not
+            # met.
+            loose = nri_pod("loose", ns.path)
+            adjust, _ = plugin.create_container(loose, nri_container("big2", loose, 22))
+            assert not CPUSet.parse(adjust.linux.resources.cpu.cpus) <= topo.numa_nodes[1]
+            assert records.of("nic-locality")[-1]["HONOURED"] == "not honoured"
+        # A host-network pod: no inspection at all.
+        host = nri_pod("hostnet", None)
+        plugin.create_container(host, nri_container("h", host, 1))
+        assert records.of("nic-locality")[-1]["HONOURED"] == "no preference"
+    finally:
+        plugin.close()
     report = snapshot(str(state_dir), str(root))
     by_name = {a["container_name"]: a for a in report["assignments"]}
     assert by_name["fwd"]["nic_numa"] == "1" and by_name["fwd"]["nic_honoured"] == "yes"

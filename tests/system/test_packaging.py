@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
 UNIT = PACKAGING / "systemd/nri-cpuplugin.service"
 BACKOFF = PACKAGING / "systemd/nri-cpuplugin.service.d/backoff.conf"
+IRQ_DROPIN = PACKAGING / "systemd/nri-cpuplugin.service.d/irq.conf"
+IRQBALANCE_DROPIN = PACKAGING / "systemd/irqbalance.service.d/nri-cpuplugin.conf"
 CONFIG = PACKAGING / "config.toml"
 LAUNCHER = PACKAGING / "nri/10-cpuplugin"
 LAUNCHED_CONF = PACKAGING / "nri/10-cpuplugin.conf"
@@ -173,6 +175,21 @@ def test_systemd_backoff_dropin_is_for_systemd_254_and_later(unit_root: Path) ->
         assert len(result.stderr.splitlines()) == 2, result.stderr
 
 
+def test_systemd_irq_dropins_verify_and_open_proc_irq_only(unit_root: Path) -> None:
+    """The interrupt drop-ins (docs/operator-guide.md section 5): ours shows /proc/irq to the
+    daemon and lets it write there; irqbalance's loads our environment file after its own."""
+    ours = unit_root / "etc/systemd/system" / IRQ_DROPIN.parent.name
+    ours.mkdir()
+    shutil.copy(IRQ_DROPIN, ours)
+    result = verify(unit_root)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+    settings = dict(
+        line.split("=", 1) for line in IRQ_DROPIN.read_text().splitlines() if "=" in line
+    )
+    assert settings["ProcSubset"] == "all" and settings["ProtectKernelTunables"] == "no"
+    assert "EnvironmentFile=-/run/nri-cpuplugin/irqbalance.env" in IRQBALANCE_DROPIN.read_text()
+
+
 def test_systemd_unit_exposure_is_low(unit_root: Path) -> None:
     def security(threshold: int) -> subprocess.CompletedProcess:
         return run(
@@ -224,7 +241,7 @@ def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -
 # somewhere new belongs here; the unit (and the DaemonSet's mounts) must then allow it.
 DAEMON_WRITES = {
     cgroupfs.DEFAULT_ROOT: "shared containers' cpusets when the pool changes "
-    "(CPUPlugin._write_followers), cpuset repairs after CPU hotplug (CPUPlugin._repair_cgroups)",
+    "(CgroupWriter.write), cpuset repairs after CPU hotplug (CgroupWriter.repair)",
 }
 # systemd.exec(5): what ProtectSystem=strict leaves to other settings, and which setting that is.
 API_FILESYSTEMS = {"/dev": "PrivateDevices", "/proc": "ProtectKernelTunables",
@@ -288,7 +305,7 @@ fi
 mount -t proc -o hidepid=invisible,subset=pid proc /proc
 exec setpriv --bounding-set=-all --inh-caps=-all --ambient-caps=-all --no-new-privs -- "$@"
 """
-# What the daemon does after CPU hotplug on cgroup v1 (CPUPlugin._repair_cgroups): ancestors
+# What the daemon does after CPU hotplug on cgroup v1 (CgroupWriter.repair): ancestors
 # grown, the container's cpuset written, evicted processes put back - the same functions.
 REPAIR = r"""
 import json, sys

@@ -41,9 +41,9 @@ def test_daemon_serves_the_runtime_and_status_reads_its_state(tmp_path):
         )
         try:
             await asyncio.wait_for(runtime.registered.wait(), 15)
-            # create, start, update, stop, remove container; run and remove pod
+            # create, start, update, post-update, stop, remove container; run and remove pod
             events = runtime.configure_response.events
-            assert events == 0x8 | 0x20 | 0x80 | 0x200 | 0x400 | 0x1 | 0x4
+            assert events == 0x8 | 0x20 | 0x80 | 0x100 | 0x200 | 0x400 | 0x1 | 0x4
             db = pod("db")
             reply = await runtime.call(
                 "CreateContainer",

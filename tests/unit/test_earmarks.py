@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
+from pathlib import Path
 
 import pytest
-from nri_messages import container, pod
-from test_deadline import make, on_disk
+from nri_messages import container, guaranteed_pod, pod
+from sysfs_gen import write_fake_device
+from test_deadline import SlowDisk, Threads, creation, node_settings, on_disk, until
 from test_policy import wl
 from topologies import offline, topology
 
@@ -21,7 +22,9 @@ from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.engine import Engine, LiveContainer
 from nri_cpuplugin.core.policy import StaticPolicy
 from nri_cpuplugin.core.state import Earmark, StateFormatError
-from nri_cpuplugin.daemon import earmarks
+from nri_cpuplugin.daemon import events as ev
+from nri_cpuplugin.daemon.adapter import pod_cpu_limit
+from nri_cpuplugin.hardware import nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops import status
 
@@ -76,7 +79,9 @@ def test_an_exclusive_container_takes_its_pods_earmark_and_moves_nobody():
     [
         # the pod's limit; (milli, kind) created in order; what stays earmarked after each
         (2000, [(1000, "app"), (1000, "app")], ["25", ""]),
-        (3000, [(1500, "app"), (1500, "app")], ["1", ""]),  # fractional: shared, claims it
+        # Fractional: shared, claims it; the earmark (1-2,25) keeps the CPU whose core is not
+        # its whole (the allocator's choice: core 1,25 goes back whole).
+        (3000, [(1500, "app"), (1500, "app")], ["2", ""]),
         (2000, [(500, "init"), (2000, "app")], ["1,25", ""]),  # init containers claim nothing
         (2500, [(500, "app")], ["1,25"]),  # two whole CPUs could still be asked for
     ],
@@ -172,14 +177,6 @@ def test_earmarks_in_the_state_file_round_trip_and_are_checked():
 # --- the daemon -------------------------------------------------------------------------------
 
 
-def guaranteed_pod(name: str, milli: int) -> pb.PodSandbox:
-    sandbox = pod(name)
-    cpu = sandbox.linux.pod_resources.cpu
-    cpu.shares.value = milli * 1024 // 1000
-    cpu.period.value, cpu.quota.value = 100000, milli * 100
-    return sandbox
-
-
 @pytest.mark.parametrize(
     ("qos", "milli", "want"),
     [("guaranteed", 2000, 2000), ("guaranteed", 800, 0), ("burstable", 2000, 0)],
@@ -188,146 +185,159 @@ def test_which_pods_are_earmarked(qos, milli, want):
     sandbox = guaranteed_pod("a", milli)
     if qos != "guaranteed":
         sandbox.linux.cgroup_parent = "/kubepods/burstable/poda"
-    assert earmarks.pod_cpu_limit(sandbox) == want
-    assert earmarks.pod_cpu_limit(pod("no-resources")) == 0  # not sent: nothing
+    assert pod_cpu_limit(sandbox) == want
+    assert pod_cpu_limit(pod("no-resources")) == 0  # not sent: nothing
 
 
-async def sandbox_started(plugin, sandbox: pb.PodSandbox) -> None:
+async def sandbox_started(daemon, sandbox: pb.PodSandbox) -> None:
     """A daemon connected to containerd 2.1.9, synchronized, and ``sandbox`` started."""
-    await plugin.configure("", "containerd", "v2.1.9")
-    await plugin.synchronize([], [])
-    await plugin.run_pod_sandbox(sandbox)
+    nri = daemon.adapter
+    await nri.configure("", "containerd", "v2.1.9")
+    await nri.synchronize([], [])
+    await nri.run_pod_sandbox(sandbox)
 
 
-def test_the_daemon_earmarks_at_pod_start_and_answers_the_creation_from_it(tmp_path):
-    plugin, records = make(tmp_path)
+def test_the_daemon_earmarks_at_pod_start_and_answers_the_creation_from_it(tmp_path, daemons):
+    daemon, records = daemons(node_settings(tmp_path))
+    nri = daemon.adapter
     db = guaranteed_pod("db", 2000)
     pg = container("pg", db, 2000)
 
     async def scenario():
-        await sandbox_started(plugin, db)
-        assert on_disk(plugin).earmarks["uid-db"].cpus == P("1,25")  # committed
-        assert not plugin.state.shared & P("1,25")
-        report = status.snapshot(plugin.settings.state_dir, plugin.settings.sysfs)
+        await sandbox_started(daemon, db)
+        assert on_disk(daemon).earmarks["uid-db"].cpus == P("1,25")  # committed
+        assert not daemon.node.state.shared & P("1,25")
+        settings = daemon.node.settings
+        report = status.snapshot(settings.state_dir, settings.sysfs)
         assert report["exclusive"] == "" and report["earmarked"]["uid-db"]["cpus"] == "1,25"
         assert "earmarked   1,25  for pod ns/db (starting)" in status.render_text(report)
         assert report["numa"]["0"]["free_exclusive"] == str(P("2-11,26-35"))
-        seen = []
-        plugin_answer = plugin._earmarked
-
-        def spy(*args):
-            seen.append(plugin_answer(*args))
-            return seen[-1]
-
-        plugin._earmarked = spy
-        ((adjust, updates),) = [await plugin.create_container(db, pg)]
-        assert seen[0] is not None and seen[0] == adjust  # answered from the earmark
+        early = daemon.node.query_early_answer(creation(db, pg))
+        assert early is not None and early.cpus == P("1,25")
+        adjust, updates = await nri.create_container(db, pg)
+        # Answered from the earmark: before anything was decided.
+        assert pg.id not in daemon.node.state.assignments
         assert adjust.linux.resources.cpu.cpus == "1,25" and updates == []
-        await plugin.start_container(db, container("pg", db, 2000, cpus="1,25"))
-        assert await plugin.drain()
+        await nri.start_container(db, container("pg", db, 2000, cpus="1,25"))
+        assert await daemon.drain()
 
     asyncio.run(scenario())
-    assert plugin.state.assignments[container("pg", db, 2000).id].cpus == P("1,25")
-    assert "uid-db" not in plugin.state.earmarks
+    state = daemon.node.state
+    assert state.assignments[pg.id].cpus == P("1,25")
+    assert "uid-db" not in state.earmarks
     assert [r["ACTION"] for r in records.of("earmark")] == ["earmark"]
-    assert not records.of("deadline") and not plugin._owed
+    assert not records.of("deadline") and not daemon.node.owed
 
 
-def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
-    tmp_path, monkeypatch
-):
-    """The decision after the early answer can differ (here: forced); the container is owed
-    to the runtime and audited."""
-    plugin, records = make(tmp_path)
+def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(tmp_path, daemons):
+    """The earmark knows nothing of NICs; the decision that follows the early answer does:
+    the pod's interface is on NUMA node 1, its earmark on node 0.  The container is owed to
+    the runtime (its StartContainer finds it on the earmark and writes what was decided) and
+    audited."""
+    settings = node_settings(tmp_path)
+    write_fake_device(Path(settings.sysfs), "pci", "0000:81:00.0", numa_node=1)
+    eth0 = nic.Link(2, "eth0", "", "pci", "0000:81:00.0", None, None, False)
+    daemon, records = daemons(settings)
+    daemon.pod_nics.lister = lambda netns: ([eth0], None)  # netlink, as the pod starts
+    nri = daemon.adapter
     db = guaranteed_pod("db", 2000)
+    db.linux.namespaces.add(type="network", path="/var/run/netns/cni-db")
     pg = container("pg", db, 2000)
 
-    def elsewhere(engine, state, pod_, container_, unknown):
-        adjust = pb.ContainerAdjustment()
-        adjust.linux.resources.cpu.cpus = "5,29"
-        return adjust
-
     async def scenario():
-        await sandbox_started(plugin, db)
-        monkeypatch.setattr(earmarks, "early_answer", elsewhere)
-        adjust, _ = await plugin.create_container(db, pg)
-        assert adjust.linux.resources.cpu.cpus == "5,29"  # what was answered
-        assert await plugin.drain()
+        await sandbox_started(daemon, db)
+        assert daemon.node.state.earmarks["uid-db"].cpus == P("1,25")
+        adjust, _ = await nri.create_container(db, pg)
+        assert adjust.linux.resources.cpu.cpus == "1,25"  # what was answered
+        assert await daemon.drain()
 
     asyncio.run(scenario())
-    assert plugin.state.assignments[pg.id].cpus == P("1,25")  # what was decided
-    assert pg.id in plugin._owed
+    decided = daemon.node.state.assignments[pg.id].cpus
+    assert len(decided) == 2 and decided <= daemon.node.policy.topology.numa_nodes[1]
+    assert pg.id in daemon.node.owed
     [note] = [r for r in records.of("earmark") if r.get("REASON") == "decided otherwise"]
-    assert "set right when it starts" in note["MESSAGE"]
+    assert "set right when it starts" in note["MESSAGE"] and note["CPUS"] == str(decided)
 
 
-def test_an_idle_daemon_answers_from_the_earmark_before_its_worker_decides(tmp_path):
+def test_an_idle_daemon_answers_from_the_earmark_before_its_worker_decides(tmp_path, daemons):
     """With nothing queued, the answer is given on the event loop; the decision is queued once
     the answer is out (the loop's next turn) and runs wherever the scheduler has room."""
-    plugin, _ = make(tmp_path)
+    threads = Threads()
+    daemon, _ = daemons(node_settings(tmp_path), threads)
     db = guaranteed_pod("db", 2000)
     pg = container("pg", db, 2000)
 
     async def scenario():
-        await sandbox_started(plugin, db)
-        assert plugin.worker.idle()
-        adjust, _ = await plugin.create_container(db, pg)
+        await sandbox_started(daemon, db)
+        assert daemon.worker.idle()
+        adjust, _ = await daemon.adapter.create_container(db, pg)
         assert adjust.linux.resources.cpu.cpus == "1,25"
-        assert pg.id not in plugin.state.assignments and not plugin.worker.idle()
-        await asyncio.sleep(0)  # the loop's next turn: the decision is queued, unpinned
-        assert os.sched_getaffinity(plugin.worker._thread.native_id) == os.sched_getaffinity(0)
-        assert await plugin.drain() and plugin.worker.idle()
+        assert pg.id not in daemon.node.state.assignments and not daemon.worker.idle()
+        await until(daemon.worker.idle)  # decided (nothing else queued: nothing pins it)
+        assert await daemon.drain()
 
     asyncio.run(scenario())
-    assert plugin.state.assignments[pg.id].cpus == P("1,25") and not plugin._owed
+    assert daemon.node.state.assignments[pg.id].cpus == P("1,25") and not daemon.node.owed
+    [(thread, cpus)] = threads.made_on["allocate"]
+    assert thread == "nri-cpuplugin-worker" and cpus == os.sched_getaffinity(0)
 
 
-def test_a_busy_daemon_answers_from_the_earmark_after_what_is_queued(tmp_path):
-    """While a job runs, the state may be about to change: the answer waits for the worker."""
-    plugin, _ = make(tmp_path)
-    db = guaranteed_pod("db", 2000)
+def test_a_busy_daemon_answers_from_the_earmark_after_what_is_queued(
+    tmp_path, daemons, monkeypatch
+):
+    """While an event runs (here: another pod's earmark, its commit on a slow disk), the state
+    may be about to change: the answer waits for the worker."""
+    daemon, _ = daemons(node_settings(tmp_path, budget=5.0))
+    nri = daemon.adapter
+    db, other = guaranteed_pod("db", 2000), guaranteed_pod("other", 2000)
     pg = container("pg", db, 2000)
-    gate = threading.Event()
 
     async def scenario():
-        await sandbox_started(plugin, db)
-        plugin.worker.submit("held", gate.wait, 10, awaited=False)
-        creating = asyncio.ensure_future(plugin.create_container(db, pg))
-        await asyncio.sleep(0.05)
-        assert not creating.done()  # not answered from a state a job may still change
-        gate.set()
+        await sandbox_started(daemon, db)
+        disk = SlowDisk(monkeypatch)
+        starting = asyncio.ensure_future(nri.run_pod_sandbox(other))
+        assert await asyncio.to_thread(disk.entered.wait, 10)  # the worker is busy
+        creating = asyncio.ensure_future(nri.create_container(db, pg))
+        await asyncio.sleep(0)  # its handler runs, up to where it waits for the worker
+        assert not creating.done()  # not answered from a state an event may still change
+        disk.go()
         adjust, _ = await creating
         assert adjust.linux.resources.cpu.cpus == "1,25"
-        assert await plugin.drain()
+        await starting
+        assert await daemon.drain()
 
     asyncio.run(scenario())
-    assert plugin.state.assignments[pg.id].cpus == P("1,25") and not plugin._owed
+    state = daemon.node.state
+    assert state.assignments[pg.id].cpus == P("1,25") and not daemon.node.owed
+    assert state.earmarks["uid-other"].cpus == P("2,26")
 
 
 @pytest.mark.parametrize(
     "change",
     ["other size", "annotation", "before synchronize", "other sandbox", "owed", "restart"],
 )
-def test_creations_the_earmark_may_not_answer_are_decided_first(tmp_path, change):
-    plugin, _ = make(tmp_path)
+def test_creations_the_earmark_may_not_answer_are_decided_first(tmp_path, daemons, change):
+    daemon, _ = daemons(node_settings(tmp_path))
+    nri = daemon.adapter
     db = guaranteed_pod("db", 3000 if change == "restart" else 2000)
     pg = container("pg", db, 1000 if change == "other size" else 2000)
     if change == "annotation":
         pg.annotations[EXCLUSIVE] = "false"
 
     async def scenario():
-        await plugin.configure("", "containerd", "v2.1.9")
+        await nri.configure("", "containerd", "v2.1.9")
         if change != "before synchronize":
-            await plugin.synchronize([], [])
-        await plugin.run_pod_sandbox(db)
+            await nri.synchronize([], [])
+        await nri.run_pod_sandbox(db)
         if change == "other sandbox":
             db.id = "sb-db-recreated"
         if change == "owed":
-            plugin._owed.add("x" * 64)
+            daemon.deadline.submit(ev.Owe(("x" * 64,)))
         if change == "restart":  # "pg" took one of three CPUs; a new "pg" asks for the rest
-            await plugin.create_container(db, container("pg", db, 1000))
-            assert await plugin.drain() and len(plugin.state.earmarks["uid-db"].cpus) == 2
+            await nri.create_container(db, container("pg", db, 1000))
+            assert await daemon.drain() and len(daemon.node.state.earmarks["uid-db"].cpus) == 2
             pg.id = "restarted".ljust(64, "0")
-        return plugin._earmarked(db, pg)
+        assert await daemon.drain()  # nothing queued: an earmark's answer could be given now
+        return daemon.node.query_early_answer(creation(db, pg))
 
     assert asyncio.run(scenario()) is None

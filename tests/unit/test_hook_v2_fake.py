@@ -40,7 +40,9 @@ class Node:
         self.records: list[dict[str, str]] = []
         self.next_pid = 1000
 
-    def container(self, cid: str, qos: str, milli: int, pod_uid: str) -> tuple[int, str]:
+    def container(
+        self, cid: str, qos: str, milli: int, pod_uid: str, **extra: str
+    ) -> tuple[int, str]:
         """A fake container: its cgroup, its process's /proc/<pid>/cgroup, its bundle."""
         parent = "kubepods" if qos == "guaranteed" else f"kubepods/{qos}"
         cgroup = f"/{parent}/pod{pod_uid}/{cid}"
@@ -57,6 +59,7 @@ class Node:
             "io.kubernetes.pod.name": pod_uid.removeprefix("uid-"),
             "io.kubernetes.pod.namespace": "ns",
             "io.kubernetes.container.name": cid,
+            **extra,
         }
         cpu = {"shares": max(2, milli * 1024 // 1000), "quota": milli * 100, "period": 100000}
         (bundle / "config.json").write_text(
@@ -361,3 +364,30 @@ def test_a_container_that_was_exclusive_gets_its_parent_memory_nodes_back(node: 
         )
     assert written == [f"db={state.shared}"]
     assert node.fake.read(cgroup, "cpuset.mems") == "0-1"
+
+
+def test_the_hook_keeps_an_asking_pods_cpus_free_of_interrupts(node: Node) -> None:
+    """The same plan as the daemon's (core/irq.py), on a generated /proc/irq in the hook's
+    fake /proc; given back when the container is gone."""
+    irq = node.proc / "irq"
+    (irq / "30").mkdir(parents=True)
+    (irq / "30" / "smp_affinity_list").write_text("0-47\n")
+    (irq / "default_smp_affinity").write_text("0000ffff,ffffffff\n")
+    (node.proc / "interrupts").write_text(
+        "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
+        " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
+    )
+    pid, db = node.container(
+        "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
+    )
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    assert node.hook("postgres", pid) == (0, "")
+    assert (irq / "30" / "smp_affinity_list").read_text() == "0,2-24,26-47\n"
+    assert (irq / "default_smp_affinity").read_text() == "0000ffff,fdfffffd\n"
+    assert str(StateStore(node.state_dir).peek().state.irqs[30].taken) == "1,25"
+    assert [r["ACTION"] for r in node.records].count("irq") == 1
+    (node.fake.root / db.strip("/") / "cgroup.events").write_text("populated 0\n")  # deleted
+    assert node.hook("postgres", None, stage="poststop") == (0, "")
+    assert (irq / "30" / "smp_affinity_list").read_text() == "0-47\n"
+    assert not StateStore(node.state_dir).peek().state.irqs

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemon_driver import Driver
 from nri_messages import container, pod
 from topologies import build, offline, topology
 
@@ -26,11 +27,9 @@ from nri_cpuplugin.core import annotation
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
-from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.hardware.cgroupfs import ContainerCgroups
 from nri_cpuplugin.hook import oci
 from nri_cpuplugin.hook.records import Record, Records
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.storage.store import StateDirError, StateLockTimeout
 
@@ -39,20 +38,25 @@ P = CPUSet.parse
 HUGE = 300_000  # characters of one annotation value
 
 
-class AuditLog(list):
-    def __call__(self, record):
-        self.append(record)
-
-
 @pytest.fixture
 def machine(tmp_path: Path) -> Path:
     """An 8-CPU sysfs tree (CPUs 0-7)."""
     return build("single-socket-no-smt", tmp_path)[0]
 
 
-def plugin_for(machine: Path, state_dir: Path, records: list | None = None, **kw) -> CPUPlugin:
-    settings = Settings(sysfs=str(machine), state_dir=str(state_dir), **kw)
-    return CPUPlugin(settings, Audit(records if records is not None else AuditLog()))
+@pytest.fixture
+def daemon_on(machine: Path):
+    """``daemon_on(state_dir, **settings) -> Driver``: the daemon on ``machine``, closed at
+    the end."""
+    made: list[Driver] = []
+
+    def make(state_dir: Path, **kw) -> Driver:
+        made.append(Driver(Settings(sysfs=str(machine), state_dir=str(state_dir), **kw)))
+        return made[-1]
+
+    yield make
+    for driver in made:
+        driver.close()
 
 
 def run_daemon(machine: Path, state_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,13 +97,13 @@ def planted_lock(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_daemon_load_state_refuses_a_lock_link_and_leaves_its_target_alone(
-    machine: Path, planted_lock: tuple[Path, Path]
+    daemon_on, planted_lock: tuple[Path, Path]
 ) -> None:
     state_dir, target = planted_lock
     before = fingerprint(target)
-    plugin = plugin_for(machine, state_dir, reserved_cpus=P("0"))
+    plugin = daemon_on(state_dir, reserved_cpus=P("0"))
     with pytest.raises(StateLockTimeout) as err:
-        plugin.load_state()
+        plugin.daemon.load_state()
     message = str(err.value)
     assert f"{state_dir}/state.lock is a symbolic link" in message and "remove it" in message
     assert err.value.code == "lock-unusable"
@@ -126,13 +130,13 @@ def test_run_refuses_a_lock_link_in_one_line(
 
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o777, 0o1777], ids=oct)
 def test_daemon_refuses_a_state_dir_others_may_write(
-    machine: Path, tmp_path: Path, mode: int
+    machine: Path, daemon_on, tmp_path: Path, mode: int
 ) -> None:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     state_dir.chmod(mode)
     with pytest.raises(StateDirError, match="writable by group or others"):
-        plugin_for(machine, state_dir, reserved_cpus=P("0")).load_state()
+        daemon_on(state_dir, reserved_cpus=P("0")).daemon.load_state()
     result = run_daemon(machine, state_dir, "--reserved-cpus", "0")
     assert result.returncode == 2
     line = one_line(result.stderr)
@@ -198,11 +202,11 @@ KEYS = [annotation.EXCLUSIVE, annotation.ISOLATED, annotation.NIC_LOCALITY, anno
 @pytest.mark.parametrize("specific", [False, True], ids=["pod-wide", "container-specific"])
 @pytest.mark.parametrize("key", KEYS)
 def test_huge_annotation_value_is_not_echoed_by_the_daemon(
-    machine: Path, tmp_path: Path, key: str, specific: bool
+    daemon_on, tmp_path: Path, key: str, specific: bool
 ) -> None:
-    records = AuditLog()
-    plugin = plugin_for(machine, tmp_path / "state", records, reserved_cpus=P("0"))
-    plugin.load_state()
+    plugin = daemon_on(tmp_path / "state", reserved_cpus=P("0"))
+    plugin.configure()
+    records = plugin.records
     db = pod("db")
     name = f"{key}/container.pg" if specific else key
     db.annotations[name] = "x" * HUGE

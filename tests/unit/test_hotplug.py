@@ -1,10 +1,11 @@
-"""CPU hotplug in the daemon: real kernel uevents through the asyncio loop, the plugin following
+"""CPU hotplug in the daemon: real kernel uevents through the asyncio loop, the daemon following
 topology changes of generated sysfs trees (state, what the runtime is told, audit, status), repair
 at start, and the cgroup v1 repairs on this machine's real cgroup hierarchy."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import secrets
 import subprocess
@@ -12,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_driver import Driver, Records
 from sysfs_gen import MachineSpec, write_sysfs
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.hardware import cgroupfs, cpusets, hotplug
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.status import render_text, snapshot
 
@@ -61,19 +62,11 @@ def test_the_listener_delivers_real_kernel_uevents_through_the_loop():
     assert event.received <= time.monotonic()
 
 
-# --- the plugin following generated trees ----------------------------------------------------
-
-
-class Records(list):
-    def __call__(self, record):
-        self.append(record)
-
-    def of(self, action):
-        return [r for r in self if r["ACTION"] == action]
+# --- the daemon following generated trees ----------------------------------------------------
 
 
 class FakeStub:
-    """Records unsolicited UpdateContainers, which the plugin must never send: they can
+    """Records unsolicited UpdateContainers, which the daemon must never send: they can
     deadlock the runtime (docs/architecture.md, "Changes outside event replies")."""
 
     def __init__(self) -> None:
@@ -126,29 +119,30 @@ def container(name: str, sandbox: pb.PodSandbox, milli: int) -> pb.Container:
 def node(tmp_path):
     machine = Machine(tmp_path)
     machine.set()
-    records = Records()
     settings = Settings(
         sysfs=str(machine.root), state_dir=str(tmp_path / "state"), reserved_cpus=P("0")
     )
-    plugin = CPUPlugin(settings, Audit(records))
-    asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
-    plugin.stop_hotplug()  # events are injected below; real ones would only find no change
-    plugin.stub = FakeStub()
-    yield machine, plugin, records
-    assert plugin.stub.sent == [], "an unsolicited UpdateContainers was sent"
+    plugin = Driver(settings)
+    plugin.configure()
+    plugin.daemon.stop_hotplug()  # events are submitted below; real ones would find no change
+    stub = plugin.daemon.stub = FakeStub()
+    yield machine, plugin, plugin.records
+    plugin.close()
+    assert stub.sent == [], "an unsolicited UpdateContainers was sent"
 
 
-def event(action: str, cpu: int) -> list[hotplug.CPUEvent]:
-    return [hotplug.CPUEvent(action, cpu, time.monotonic())]
+def cpu_event(plugin: Driver, action: str, cpu: int) -> None:
+    """A kernel uevent, as the daemon's hotplug listener submits it, followed to its end."""
+    plugin.submit(ev.CPUsChanged((hotplug.CPUEvent(action, cpu, time.monotonic()),)))
 
 
 def cpus_of(update: pb.ContainerUpdate) -> str:
     return update.linux.resources.cpu.cpus
 
 
-def next_reply(plugin: CPUPlugin) -> dict[str, pb.ContainerUpdate]:
+def next_reply(plugin: Driver) -> dict[str, pb.ContainerUpdate]:
     """The updates the runtime gets with its next event that can carry some: here a
-    StopContainer of a container the plugin does not place.  The generated trees have no
+    StopContainer of a container the daemon does not place.  The generated trees have no
     cgroups, so every change after hotplug is owed to the runtime (never written directly)."""
     other = pod("other", "besteffort")
     return {u.container_id: u for u in plugin.stop_container(other, container("x", other, 0))}
@@ -164,7 +158,7 @@ def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node
     pg, nginx = "pg".ljust(64, "0"), "nginx".ljust(64, "0")
 
     machine.set(offline={7})  # partial loss: nothing free to replace it
-    plugin.cpu_events(event("offline", 7))
+    cpu_event(plugin, "offline", 7)
     held = plugin.state.assignments[pg]
     assert (held.cpus, held.lost) == (P("1-6"), P("7")) and held.degraded
     [outside] = records.of("outside-reply")
@@ -179,7 +173,7 @@ def test_offline_degrades_online_restores_and_the_runtime_is_told_each_time(node
     assert "DEGRADED" in render_text(report) and "lost 7" in render_text(report)
 
     machine.set()  # back online: the CPU returns to the container that lost it
-    plugin.cpu_events(event("online", 7))
+    cpu_event(plugin, "online", 7)
     held = plugin.state.assignments[pg]
     assert (held.cpus, held.lost) == (P("1-7"), CPUSet())
     assert {cid: cpus_of(u) for cid, u in next_reply(plugin).items()} == {pg: "1-7"}
@@ -198,7 +192,7 @@ def test_a_container_that_loses_its_only_cpu_runs_shared_and_bounded_meanwhile(n
     plugin.create_container(web, container("nginx", web, 500))
     one, nginx = "one".ljust(64, "0"), "nginx".ljust(64, "0")
     machine.set(offline={1})
-    plugin.cpu_events(event("offline", 1))
+    cpu_event(plugin, "offline", 1)
     held = plugin.state.assignments[one]
     assert held.cpus == CPUSet() and held.lost == P("1")
     updates = next_reply(plugin)
@@ -206,9 +200,9 @@ def test_a_container_that_loses_its_only_cpu_runs_shared_and_bounded_meanwhile(n
     assert cpu.cpus == "0" and cpu.quota.value == 100000 and cpu.period.value == 100000
     assert nginx not in updates  # the pool did not change
     # It follows the shared pool like any shared container until its CPU returns.
-    assert one in {t.container_id for t in plugin.engine.followers(plugin.state, "")}
+    assert one in {t.container_id for t in plugin.node.engine.followers(plugin.state, "")}
     machine.set()
-    plugin.cpu_events(event("online", 1))
+    cpu_event(plugin, "online", 1)
     update = next_reply(plugin)[one]
     assert update.linux.resources.cpu.cpus == "1" and update.linux.resources.cpu.quota.value == -1
 
@@ -219,7 +213,7 @@ def test_owed_updates_ride_on_the_next_create_and_a_synchronize_settles_them(nod
     plugin.create_container(db, container("one", db, 1000))
     one = "one".ljust(64, "0")
     machine.set(offline={1})
-    plugin.cpu_events(event("offline", 1))
+    cpu_event(plugin, "offline", 1)
     # The next CreateContainer's reply carries the moved container's update (it had its CPU
     # replaced) - never one for the container being created, which the runtime would refuse.
     web = pod("web", "burstable")
@@ -228,7 +222,7 @@ def test_owed_updates_ride_on_the_next_create_and_a_synchronize_settles_them(nod
     assert cpus_of(updates[0]) == "2"
     assert next_reply(plugin) == {}  # told once
     machine.set()
-    plugin.cpu_events(event("online", 1))  # nginx grows onto CPU 1 again: owed too
+    cpu_event(plugin, "online", 1)  # nginx grows onto CPU 1 again: owed too
     assert records.of("outside-reply")[-1]["OWED"] == "1"
     # A Synchronize answers with every live container's settings: nothing stays owed.
     live = [container("one", db, 1000), container("nginx", web, 500)]
@@ -245,7 +239,7 @@ def test_a_replacement_is_preferred_and_the_returning_cpu_joins_the_shared_pool(
     pg, nginx = "pg".ljust(64, "0"), "nginx".ljust(64, "0")
     assert plugin.state.assignments[pg].cpus == P("1-2")
     machine.set(offline={2})
-    plugin.cpu_events(event("offline", 2))
+    cpu_event(plugin, "offline", 2)
     held = plugin.state.assignments[pg]
     assert held.cpus == P("1,3") and not held.lost  # same NUMA node
     [change] = records.of("cpu-replaced")
@@ -253,14 +247,14 @@ def test_a_replacement_is_preferred_and_the_returning_cpu_joins_the_shared_pool(
     sent = {cid: cpus_of(u) for cid, u in next_reply(plugin).items()}
     assert sent == {pg: "1,3", nginx: "0,4-7"}
     machine.set()
-    plugin.cpu_events(event("online", 2))
+    cpu_event(plugin, "online", 2)
     assert plugin.state.shared == P("0,2,4-7")
     assert {cid: cpus_of(u) for cid, u in next_reply(plugin).items()} == {nginx: "0,2,4-7"}
 
 
 def test_events_without_a_change_do_nothing(node):
     _machine, plugin, records = node
-    plugin.cpu_events(event("online", 3))
+    cpu_event(plugin, "online", 3)
     assert next_reply(plugin) == {} and records.of("hotplug")[-1]["PRIORITY"] == "7"
     assert not records.of("outside-reply")
 
@@ -273,16 +267,19 @@ def test_a_change_while_nothing_ran_is_repaired_at_start_not_refused(node, tmp_p
     plugin.create_container(web, container("nginx", web, 500))
     machine.set(offline={2, 5})
     again = Records()
-    plugin.release_claim()  # the old daemon is gone (its claim with it)
-    restarted = CPUPlugin(plugin.file_settings, Audit(again))
-    restarted.load_state()
-    pg = "pg".ljust(64, "0")
-    assert restarted.state.assignments[pg].cpus == P("1,3")  # replaced on its node
-    assert again.of("state-repair") and not again.of("state-rebuild")
-    assert again.of("cpu-replaced")  # what changed is audited like a live event
-    assert not list((tmp_path / "state").glob("state.json.bad-*"))
-    assert restarted.state.shared == P("0,4,6-7")
-    assert restarted.state.fingerprint == restarted.policy.topology.fingerprint()
+    plugin.close()  # the old daemon is gone (its claim with it)
+    restarted = Driver(plugin.node.file_settings, again)
+    try:
+        restarted.daemon.load_state()
+        pg = "pg".ljust(64, "0")
+        assert restarted.state.assignments[pg].cpus == P("1,3")  # replaced on its node
+        assert again.of("state-repair") and not again.of("state-rebuild")
+        assert again.of("cpu-replaced")  # what changed is audited like a live event
+        assert not list((tmp_path / "state").glob("state.json.bad-*"))
+        assert restarted.state.shared == P("0,4,6-7")
+        assert restarted.state.fingerprint == restarted.node.policy.topology.fingerprint()
+    finally:
+        restarted.close()
 
 
 # --- cgroup v1 repairs, on this machine's real hierarchy ---------------------------------------
@@ -309,9 +306,21 @@ def v1_tree():
     finally:
         proc.kill()
         proc.wait()
-        time.sleep(0.05)
         for path in reversed(made):
+            rmdir_once_empty(path)
+
+
+def rmdir_once_empty(path: str, limit: float = 5.0) -> None:
+    """cgroup v1 lets a cgroup go a moment after its last task has exited (EBUSY until then)."""
+    give_up = time.monotonic() + limit
+    while True:
+        try:
             os.rmdir(path)
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() > give_up:
+                raise
+        time.sleep(0.005)
 
 
 def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
@@ -333,7 +342,7 @@ def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
 
 def test_apply_writes_the_quota_with_the_cpuset_and_lifts_it_again(v1_tree):
     """A degraded container gets its CPU limit back as CFS quota, a restored one loses it:
-    written with the cpuset (the runtime is not asked, see CPUPlugin._push)."""
+    written with the cpuset (the runtime is not asked: daemon/routes.py, Routes.push)."""
     layout, container, _ = v1_tree
     quota = Path(layout.cpu_root + container, "cpu.cfs_quota_us")
     assert quota.read_text().strip() == "-1"

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon_driver import Driver
 from topologies import build
 
-from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops import metrics as metrics_mod
-from nri_cpuplugin.ops.audit import WARNING, Audit
+from nri_cpuplugin.ops.audit import WARNING
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.metrics import Metrics, NoMetrics
 
@@ -324,11 +324,6 @@ def guaranteed_container() -> tuple[pb.PodSandbox, pb.Container]:
     return pod, container
 
 
-class Records(list):
-    def __call__(self, record: dict[str, str]) -> None:
-        self.append(record)
-
-
 def test_metrics_port_in_use_warns_once_and_the_daemon_keeps_pinning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -337,24 +332,23 @@ def test_metrics_port_in_use_warns_once_and_the_daemon_keeps_pinning(
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         listen = f"127.0.0.1:{squatter.getsockname()[1]}"
-        records = Records()
         settings = Settings(
             sysfs=str(root), state_dir=str(tmp_path / "state"), metrics_listen=listen
         )
-        plugin = CPUPlugin(settings, Audit(records))
-        plugin.load_state()
-
-        async def daemon() -> None:
-            await plugin.start_metrics()  # cmd_run, before the runtime is there
-            await plugin.configure("", "containerd", "v2.1.9")  # starts metrics again
-
-        asyncio.run(daemon())
-        adjust, _ = plugin.create_container(*guaranteed_container())
+        plugin = Driver(settings)
+        try:
+            plugin.daemon.load_state()  # as cmd_run does, before the runtime is there ...
+            plugin.run(plugin.daemon.start_metrics())  # ... and serves metrics
+            plugin.configure()  # starts metrics again
+            adjust, _ = plugin.create_container(*guaranteed_container())
+        finally:
+            plugin.close()
+    records = plugin.records
     assert adjust.linux.resources.cpu.cpus == "1"  # pinned: CPU 0 is reserved
     warnings = [r for r in records if r["PRIORITY"] == str(WARNING)]
     assert len(warnings) == 1, warnings
     assert warnings[0]["ACTION"] == "metrics-failed"
     assert listen in warnings[0]["MESSAGE"] and "in use" in warnings[0]["MESSAGE"]
-    assert isinstance(plugin.metrics, NoMetrics)
+    assert isinstance(plugin.node.metrics, NoMetrics)
     assert "connect" in [r["ACTION"] for r in records]  # registered with the runtime
     assert [r for r in caplog.records if r.exc_info] == []

@@ -1,22 +1,20 @@
-"""Pods' interfaces read ahead at RunPodSandbox (daemon/pod_nics.py), alone and in the plugin."""
+"""Pods' interfaces read ahead at RunPodSandbox (daemon/pod_nics.py), alone and in the daemon."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
+from daemon_driver import Driver
 from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core import annotation
 from nri_cpuplugin.daemon import pod_nics
-from nri_cpuplugin.daemon.plugin import CPUPlugin
 from nri_cpuplugin.daemon.pod_nics import PodNICs
 from nri_cpuplugin.hardware import nic
 from nri_cpuplugin.nri.handlers import EVENT_BITS
 from nri_cpuplugin.nri.stub import Stub
-from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
 NETNS = "/var/run/netns/cni-1234"
@@ -136,13 +134,13 @@ def test_entries_go_with_their_pods_and_are_bounded():
 
 @pytest.fixture
 def plugin(tmp_path):
+    """The daemon, connected; its pods' interfaces read by a ``Lister`` (netlink's place)."""
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
-    records: list[dict] = []
-    plugin = CPUPlugin(settings, Audit(records.append))
-    plugin.load_state()
-    plugin.records = records
-    return plugin
+    plugin = Driver(settings)
+    plugin.configure()
+    yield plugin
+    plugin.close()
 
 
 def in_netns(sandbox, path=NETNS):
@@ -150,14 +148,14 @@ def in_netns(sandbox, path=NETNS):
     return sandbox
 
 
-def test_the_plugin_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugin):
+def test_the_daemon_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugin):
     lister = Lister()
-    plugin.pod_nics.lister = lister
+    plugin.daemon.pod_nics.lister = lister
     db = in_netns(pod("db"))
     plugin.run_pod_sandbox(db)
     plugin.create_container(db, container("postgres", db, 2000))
     assert [netns for netns, _ in lister.calls] == [NETNS]  # once, ahead
-    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    [record] = plugin.records.of("nic-locality")
     assert "(interfaces read when the pod started)" in record["MESSAGE"]
     assert plugin.state.assignments  # placed
     # Nothing to read ahead: a Burstable pod, the host network, locality turned off.
@@ -166,16 +164,16 @@ def test_the_plugin_reads_guaranteed_pods_ahead_and_the_creation_uses_that(plugi
     off = in_netns(pod("off"))
     off.annotations[annotation.NIC_LOCALITY] = "off"
     plugin.run_pod_sandbox(off)
-    assert len(lister.calls) == 1 and len(plugin.pod_nics) == 1
+    assert len(lister.calls) == 1 and len(plugin.daemon.pod_nics) == 1
     plugin.remove_pod_sandbox(db)
-    assert len(plugin.pod_nics) == 0
+    assert len(plugin.daemon.pod_nics) == 0
 
 
 def test_a_recreated_sandbox_keeps_its_read_when_the_old_one_is_removed_after_it(plugin):
     """Same pod uid, a new sandbox (and network namespace): the old sandbox's removal, which
     may come later, drops only its own read."""
     lister = Lister()
-    plugin.pod_nics.lister = lister
+    plugin.daemon.pod_nics.lister = lister
     old = in_netns(pod("db"))
     plugin.run_pod_sandbox(old)
     new = in_netns(pod("db"), "/var/run/netns/cni-5678")
@@ -186,16 +184,16 @@ def test_a_recreated_sandbox_keeps_its_read_when_the_old_one_is_removed_after_it
     # (The old sandbox's read may be dropped before its turn.)  The new one was read once,
     # ahead, and used.
     assert [netns for netns, _ in lister.calls].count("/var/run/netns/cni-5678") == 1
-    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    [record] = plugin.records.of("nic-locality")
     assert "(interfaces read when the pod started)" in record["MESSAGE"]
 
 
 def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
-    plugin.pod_nics.lister = Lister(nic.NICError("cannot open network namespace: gone"))
+    plugin.daemon.pod_nics.lister = Lister(nic.NICError("cannot open network namespace: gone"))
     db = in_netns(pod("db"))
     plugin.run_pod_sandbox(db)
     plugin.create_container(db, container("postgres", db, 2000))
-    [record] = [r for r in plugin.records if r["ACTION"] == "nic-locality"]
+    [record] = plugin.records.of("nic-locality")
     assert (
         "cannot inspect /var/run/netns/cni-1234: cannot open network namespace: gone"
         in (record["MESSAGE"])
@@ -203,16 +201,19 @@ def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
     assert "(interfaces read when the pod started)" not in record["MESSAGE"]
 
 
-def test_without_the_read_ahead_the_plugin_neither_reads_ahead_nor_hears_pods_start(tmp_path):
+def test_without_the_read_ahead_the_daemon_neither_reads_ahead_nor_hears_pods_start(tmp_path):
     """Neither reading ahead nor earmarking CPUs for pods: RunPodSandbox is not subscribed."""
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(
         sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2,
         nic_read_ahead=False, earmark_pods=False,
     )  # fmt: skip
-    plugin = CPUPlugin(settings, Audit(lambda record: None))
-    plugin.stub = Stub(plugin, "cpuplugin", "50")
-    events = asyncio.run(plugin.configure("", "containerd", "v2.1.9"))
-    assert events == plugin.stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
-    plugin.run_pod_sandbox(in_netns(pod("db")))
-    assert len(plugin.pod_nics) == 0
+    plugin = Driver(settings)
+    try:
+        stub = plugin.daemon.stub = Stub(plugin.daemon.adapter, "cpuplugin", "50")
+        events = plugin.configure()
+        assert events == stub.handled_events & ~EVENT_BITS["run_pod_sandbox"]
+        plugin.run_pod_sandbox(in_netns(pod("db")))
+        assert len(plugin.daemon.pod_nics) == 0
+    finally:
+        plugin.close()

@@ -13,7 +13,7 @@ import pytest
 from fake_runtime import FakeRuntime
 from topologies import build
 
-from nri_cpuplugin.daemon.plugin import CPUPlugin
+from nri_cpuplugin.daemon.service import Daemon
 from nri_cpuplugin.nri import stub as stub_module
 from nri_cpuplugin.nri.handlers import (
     SubscriptionError,
@@ -68,16 +68,16 @@ class Recorder:
         self.seen.append(("remove-pod", pod.id))
 
 
-def record_pauses(stub: Stub) -> list[float]:
+def record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The stub's pauses between connection attempts, recorded and not waited out (a test
     asserts the backoff, not the clock)."""
     pauses: list[float] = []
 
-    async def pause(seconds: float) -> None:
+    async def pause(stopping: asyncio.Event, seconds: float) -> None:
         pauses.append(seconds)
         await asyncio.sleep(0)
 
-    stub._sleep_unless_stopped = pause
+    monkeypatch.setattr(stub_module, "pause", pause)
     return pauses
 
 
@@ -273,11 +273,11 @@ def test_daemon_reconnects_and_resynchronizes(tmp_path):
     run(test, tmp_path)
 
 
-def test_daemon_waits_for_a_runtime_that_is_not_there_yet(tmp_path):
+def test_daemon_waits_for_a_runtime_that_is_not_there_yet(tmp_path, monkeypatch):
     async def test(path):
         plugin = Recorder()
         stub = Stub(plugin, "cpuplugin", "50", socket_path=str(path))
-        pauses = record_pauses(stub)
+        pauses = record_pauses(monkeypatch)
         task = asyncio.create_task(stub.run())
         while len(pauses) < 3:  # nothing listens yet: the stub keeps retrying, backing off
             await asyncio.sleep(0)
@@ -295,7 +295,7 @@ def test_launched_mode_serves_the_inherited_socket_and_exits_when_it_closes(tmp_
         ours, theirs = socket.socketpair()
         runtime = FakeRuntime(path)
         reader, writer = await asyncio.open_unix_connection(sock=theirs)
-        session = asyncio.create_task(runtime._accept(reader, writer))
+        session = asyncio.create_task(runtime.accept(reader, writer))
         plugin = Recorder()
         stub = Stub(plugin, "cpuplugin", "50", launched_fd=ours.detach())
         task = asyncio.create_task(stub.run())
@@ -376,13 +376,13 @@ def test_configure_narrows_the_subscription_for_its_connection(tmp_path, wanted)
         (["create_containers"], "unknown events 'create_containers' (did you mean "),
     ],
 )
-def test_configure_asking_for_unhandled_events_is_refused(tmp_path, wanted, message):
+def test_configure_asking_for_unhandled_events_is_refused(tmp_path, monkeypatch, wanted, message):
     async def test(path):
         runtime = FakeRuntime(path)
         await runtime.start()
         stub = Stub(Narrowing(wanted), "cpuplugin", "50", socket_path=str(path))
         stub.plugin.wanted = [wanted] * 100  # refuse on every connection
-        pauses = record_pauses(stub)
+        pauses = record_pauses(monkeypatch)
         task = asyncio.create_task(stub.run())
         while runtime.configure_reply is None:
             await asyncio.sleep(0.01)
@@ -472,14 +472,15 @@ def test_handler_name_that_is_not_callable_is_an_error():
         Stub(plugin, "x", "10")
 
 
-def test_cpu_plugin_is_not_flagged(tmp_path):
+def test_the_daemons_adapter_is_not_flagged(tmp_path):
     root, _ = build("xeon-e5-2680v3-2s", tmp_path)
     settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
-    plugin = CPUPlugin(settings, Audit(lambda record: None))
-    stub = Stub(plugin, "cpuplugin", "50")
-    # create (4), start (6), update (8), stop (10), remove_container (11), run_pod_sandbox (1),
-    # remove_pod_sandbox (3), update_pod_sandbox (12; only where the runtime's NRI is >= 0.10)
-    assert stub.events == 0x8 | 0x20 | 0x80 | 0x200 | 0x400 | 0x1 | 0x4 | 0x800
+    daemon = Daemon(settings, Audit(lambda record: None))
+    stub = Stub(daemon.adapter, "cpuplugin", "50")
+    # create (4), start (6), update (8), post_update_container (9), stop (10),
+    # remove_container (11), run_pod_sandbox (1), remove_pod_sandbox (3), update_pod_sandbox
+    # (12; only where the runtime's NRI is >= 0.10)
+    assert stub.events == 0x8 | 0x20 | 0x80 | 0x100 | 0x200 | 0x400 | 0x1 | 0x4 | 0x800
 
 
 # --- NRI 0.10-0.12: the runtime's version, pod updates, per-event methods ---------------------

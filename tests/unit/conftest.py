@@ -1,0 +1,59 @@
+"""Fixtures the unit tests share: the daemon as ``nri-cpuplugin run`` builds it, for tests that
+call it on an event loop of their own (deadlines, concurrency), and another process holding its
+state lock.  Tests that need neither use tests/daemon_driver.py's Driver."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import pytest
+from daemon_driver import Records
+from lock_holder import LockHolder
+
+from nri_cpuplugin.daemon.service import Daemon
+from nri_cpuplugin.ops.audit import Audit
+from nri_cpuplugin.ops.config import Settings
+
+
+class MakeDaemon(Protocol):
+    def __call__(
+        self, settings: Settings, records: Records | None = None, **options: Any
+    ) -> tuple[Daemon, Records]: ...
+
+
+@pytest.fixture
+def daemons() -> Iterator[MakeDaemon]:
+    """``daemons(settings) -> (daemon, records)``: the composition of daemon/service.py, its
+    audit records collected (``records``: a sink of the test's own).  Each daemon gives up its
+    hotplug listener and its claim on the state directory when the test ends, as its process
+    would when it exits."""
+    made: list[Daemon] = []
+
+    def make(
+        settings: Settings, records: Records | None = None, **options: Any
+    ) -> tuple[Daemon, Records]:
+        records = Records() if records is None else records
+        daemon = Daemon(settings, Audit(records), **options)
+        made.append(daemon)
+        return daemon, records
+
+    yield make
+    for daemon in made:
+        daemon.stop_hotplug()
+        daemon.release_claim()
+
+
+@pytest.fixture
+def holders() -> Iterator[Any]:
+    """``holders(state_dir) -> LockHolder``: another nri-cpuplugin process holding the state
+    lock (as the OCI hook or the CLI would), released at the end at the latest."""
+    made: list[LockHolder] = []
+
+    def hold(state_dir: str) -> LockHolder:
+        made.append(LockHolder(state_dir))
+        return made[-1]
+
+    yield hold
+    for holder in made:
+        holder.release()

@@ -1,0 +1,171 @@
+"""Exclusive CPUs kept free of device interrupts: the plan (core/irq.py) as a table, the
+/proc files (hardware/irq.py) on a generated tree, and the daemon keeping a pod's CPUs free
+and giving them back (a generated /proc/irq beside the generated sysfs: the host's are never
+touched).  The kernel's refusals of managed interrupts (EIO) are the FAKE edge here; the
+guest node tests them for real (tests/guest/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from daemon_driver import Driver
+from nri_messages import container, pod
+from topologies import build
+
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.irq import DEFAULT, Irq, plan
+from nri_cpuplugin.core.state import IrqRecord
+from nri_cpuplugin.hardware import irq as irq_files
+from nri_cpuplugin.hardware.irq_keeper import Roots
+from nri_cpuplugin.ops import status
+from nri_cpuplugin.ops.config import Settings
+
+P = CPUSet.parse
+ONLINE = P("0-7")
+POOL = P("0,3-7")
+
+
+@pytest.mark.parametrize(
+    ("requested", "keep", "record", "written", "recorded"),
+    [
+        # narrowed: what it may use less the kept-free CPUs, and what was taken recorded
+        ("0-7", "1-2", None, "0,3-7", "1-2"),
+        # not on a kept-free CPU: left alone
+        ("4-5", "1-2", None, None, None),
+        # only on kept-free CPUs: the shared pool, never an empty set
+        ("1", "1-2", None, "0,3-7", "1"),
+        # released: given back what was taken, and what irqbalance did meanwhile kept
+        ("4", "", "1-2", "1-2,4", None),
+        # partly released: one CPU back, the other still taken
+        ("4", "2", "1-2", "1,4", "2"),
+        # offline now: given back once it is online again (the kernel widens no mask)
+        ("4", "", "1,9", "1,4", "9"),
+    ],
+)
+def test_the_plan_narrows_and_gives_back_exactly_what_it_took(
+    requested, keep, record, written, recorded
+):
+    records = {5: IrqRecord("virtio0-input.0", P(record))} if record else {}
+    irqs = [Irq(5, P(requested), "virtio0-input.0")]
+    result = plan(irqs, P(keep), ONLINE, POOL, records)
+    assert dict(result.writes).get(5) == (P(written) if written else None)
+    assert result.records.get(5) == (
+        IrqRecord("virtio0-input.0", P(recorded)) if recorded else None
+    )
+
+
+def test_a_reused_number_or_a_refused_interrupt_is_not_ours():
+    records = {5: IrqRecord("virtio0-input.0", P("1-2"))}
+    moved = [Irq(5, P("4"), "nvme0q1")]  # another device got number 5: nothing to give back
+    assert plan(moved, CPUSet(), ONLINE, POOL, records).writes == ()
+    managed = [Irq(7, P("0-7"), "virtio1-req.0")]
+    assert plan(managed, P("1"), ONLINE, POOL, {}, frozenset({(7, "virtio1-req.0")})).writes == ()
+
+
+# --- the /proc files ---------------------------------------------------------------------------
+
+
+def proc_tree(root: Path, irqs: dict[int, str], default: str = "ff") -> Path:
+    """A generated /proc with ``irqs`` (number -> smp_affinity_list), their /proc/interrupts
+    rows for 8 CPUs, and the default affinity."""
+    (root / "irq").mkdir(parents=True)
+    (root / "irq" / "default_smp_affinity").write_text(f"{default}\n")
+    rows = ["           " + " ".join(f"CPU{i}" for i in range(8))]
+    for number, affinity in irqs.items():
+        (root / "irq" / str(number)).mkdir()
+        (root / "irq" / str(number) / "smp_affinity_list").write_text(f"{affinity}\n")
+        rows.append(f" {number}: {' '.join('0' for _ in range(8))} PCI-MSIX 1-edge virtio{number}")
+    (root / "interrupts").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def test_interrupts_are_read_and_written_in_the_kernels_formats(tmp_path):
+    proc = proc_tree(tmp_path / "proc", {24: "0-7", 25: "garbage"}, default="00000000,000000ff")
+    found = {i.number: i for i in irq_files.interrupts(str(proc))}
+    assert found[24] == Irq(24, P("0-7"), "PCI-MSIX 1-edge virtio24")
+    assert 25 not in found  # unreadable: never touched
+    assert found[DEFAULT].requested == P("0-7")
+    irq_files.write(str(proc), DEFAULT, P("0,3-7"))
+    assert (proc / "irq" / "default_smp_affinity").read_text() == "00000000,000000f9\n"
+    irq_files.write(str(proc), 24, P("0,3-7"))
+    assert (proc / "irq" / "24" / "smp_affinity_list").read_text() == "0,3-7\n"
+    with pytest.raises(ValueError, match="not a hex CPU mask"):
+        irq_files.parse_mask("fg")
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def node(tmp_path):
+    root, _ = build("single-socket-no-smt", tmp_path)  # 8 CPUs, 0-1 reserved
+    proc = proc_tree(tmp_path / "proc", {24: "0-7", 25: "0-7", 26: "6"})
+    assert Roots.beside(str(root)).proc == str(proc)
+    settings = Settings(sysfs=str(root), state_dir=str(tmp_path / "state"), reserved_cpu_count=2)
+    driver = Driver(settings)
+    driver.configure()
+    driver.synchronize([], [])
+    yield driver, proc
+    driver.close()
+
+
+def affinity(proc: Path, number: int) -> str:
+    return (proc / "irq" / str(number) / "smp_affinity_list").read_text().strip()
+
+
+def test_a_pod_that_asks_has_its_cpus_kept_free_and_given_back(node, monkeypatch):
+    driver, proc = node
+    managed = []
+
+    def write(proc_root, number, cpus):  # FAKE kernel edge: interrupt 25 is managed
+        if number == 25:
+            managed.append(number)
+            raise irq_files.Refused("managed")
+        return real(proc_root, number, cpus)
+
+    real = irq_files.write
+    monkeypatch.setattr(irq_files, "write", write)
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    pg = container("pg", db, 2000)
+    adjust, _ = driver.create_container(db, pg)
+    cpus = P(adjust.linux.resources.cpu.cpus)
+    assert len(cpus) == 2
+    assert not P(affinity(proc, 24)) & cpus and P(affinity(proc, 24))
+    assert affinity(proc, 25) == "0-7" and managed == [25]  # left alone, counted
+    assert affinity(proc, 26) == "6" or not P(affinity(proc, 26)) & cpus
+    assert irq_files.default_affinity(str(proc)) == P("0-7") - cpus
+    assert driver.on_disk().irqs[24].taken == cpus  # recorded with the state
+    [record] = driver.records.of("irq")
+    assert record["MANAGED"] == "1" and record["CPUS"] == str(cpus)
+    shown = status.render_text(status.snapshot(driver.settings.state_dir, driver.settings.sysfs))
+    assert f"irq-free    {cpus}  (1 interrupts kept off them)" in shown
+    driver.stop_container(db, pg)
+    assert affinity(proc, 24) == "0-7"
+    assert irq_files.default_affinity(str(proc)) == P("0-7")
+    assert not driver.on_disk().irqs
+
+
+def test_a_pod_that_does_not_ask_leaves_the_interrupts_alone(node):
+    driver, proc = node
+    db = pod("db")
+    driver.create_container(db, container("pg", db, 2000))
+    assert affinity(proc, 24) == "0-7" and not driver.records.of("irq")
+
+
+def test_what_a_killed_daemon_took_is_given_back_by_the_next_one(node):
+    driver, proc = node
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    driver.create_container(db, container("pg", db, 2000))
+    narrowed = affinity(proc, 24)
+    assert narrowed != "0-7"
+    settings = driver.node.file_settings
+    driver.close()  # as kill -9: nothing given back
+    again = Driver(settings)
+    again.configure()
+    assert affinity(proc, 24) == narrowed  # the container may still run: kept
+    again.synchronize([], [])  # the runtime lists no container: it is gone
+    assert affinity(proc, 24) == "0-7" and not again.on_disk().irqs
+    again.close()
