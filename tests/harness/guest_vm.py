@@ -45,6 +45,8 @@ CORES_PER_SOCKET = 2
 THREADS_PER_CORE = 2
 CPUS = SOCKETS * CORES_PER_SOCKET * THREADS_PER_CORE
 MEMORY_MIB_PER_NODE = 2048  # one NUMA node per socket
+SCRATCH_DISK_MIB = 256
+SCRATCH_DISK_SERIAL = "nri-scratch"  # /dev/disk/by-id/ata-QEMU_HARDDISK_nri-scratch
 KERNEL_ARGS = (
     "root=/dev/vda",
     "rw",
@@ -184,7 +186,15 @@ class VM:
             # Serial console (and QEMU's monitor, unused) on stdout, which goes to the log.
             "-nographic",
             "-vga", "none",
-            "-nic", "none",
+            # Devices with interrupts the IRQ tests move (issue 33): a NIC (virtio-net, user
+            # networking: no host set-up, no tap; its queue interrupts are not managed, so
+            # their affinity can be changed) and a scratch disk on q35's AHCI controller (one
+            # MSI, changeable) - the root disk's virtio-blk has one managed interrupt per CPU,
+            # which the kernel keeps where it put them.
+            "-nic", "user,model=virtio-net-pci",
+            "-drive", f"if=none,id=scratch,file={_escape_option(str(self.scratch_disk))},"
+            "format=raw,cache=unsafe",
+            "-device", f"ide-hd,drive=scratch,bus=ide.0,serial={SCRATCH_DISK_SERIAL}",
             "-no-reboot",
             "-device", "virtio-rng-pci",
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
@@ -194,8 +204,15 @@ class VM:
             *shares,
         ]  # fmt: skip
 
+    @property
+    def scratch_disk(self) -> Path:
+        return self.dir / "scratch.img"
+
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        # Sparse, thrown away with the run directory: only the I/O's interrupts matter.
+        with self.scratch_disk.open("wb") as disk:
+            disk.truncate(SCRATCH_DISK_MIB << 20)
         self.short_dir = shortpaths.make("guest", instance=self.dir)
         command = self.command()
         console = self.console_log.open("ab")
@@ -258,6 +275,7 @@ class VM:
             shutil.rmtree(self.short_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             if not problems:
+                self.scratch_disk.unlink(missing_ok=True)
                 (self.dir / "vm.json").unlink()
         return problems
 
