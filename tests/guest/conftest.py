@@ -29,6 +29,7 @@ from harness.guest_node import DAEMON_UNIT, GuestNode
 from harness.guest_runtimes import GuestRuntime
 
 RUNTIMES = ("containerd-2.3", "containerd-1.7", "crio")
+SCENARIO_RUNTIME = "containerd-2.3"  # test_pinning.py's and test_irq.py's runtime
 
 # The session's guest and node, for the failure reports below (fixtures are not reachable
 # from a report hook).
@@ -108,6 +109,27 @@ def on_runtime(node: GuestNode, runtime_name: str) -> Iterator[GuestRuntime]:
     yield runtime
     if problems := node.clear():
         pytest.fail(f"removing the pods of {runtime_name} failed: {problems}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def daemon_node(node: GuestNode) -> Iterator[GuestRuntime]:
+    """containerd 2.3.4 with the daemon, for a module of scenarios (a daemon start under
+    emulation takes tens of seconds: one per module); each scenario removes its own pods, and
+    the node is cleared after the module."""
+    error = None
+    try:
+        started = time.monotonic()
+        runtime = node.use(SCENARIO_RUNTIME)
+        node.start_daemon()
+        ready = time.monotonic() - started
+    except Exception as e:
+        error = f"{SCENARIO_RUNTIME} with the daemon could not be started: {e}"
+    if error:
+        pytest.fail(error, pytrace=False)
+    print(f"{SCENARIO_RUNTIME} and the daemon ready in {ready:.1f} s")
+    yield runtime
+    if problems := node.clear():
+        pytest.fail(f"removing the pods of {SCENARIO_RUNTIME} failed: {problems}", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

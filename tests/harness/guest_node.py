@@ -124,6 +124,10 @@ class GuestNode:
         unit_dir = "/etc/systemd/system"
         self.guest.copy_in(PACKAGING / "systemd" / DAEMON_UNIT, f"{unit_dir}/{DAEMON_UNIT}", 0o644)
         self.guest.copy_in(PACKAGING / "config.toml", "/etc/nri-cpuplugin/config.toml", 0o644)
+        # packaging's optional drop-in for pods that keep their CPUs free of interrupts
+        # (tests/guest/test_irq.py): without it the unit's sandbox hides /proc/irq.
+        irq = PACKAGING / "systemd" / f"{DAEMON_UNIT}.d" / "irq.conf"
+        self.guest.copy_in(irq, f"{unit_dir}/{DAEMON_UNIT}.d/irq.conf", 0o644)
         environment = " ".join(shlex.quote(f"{k}={v}") for k, v in self.guest.python_env().items())
         runtimes_units = " ".join(r.unit for r in self.runtimes.values())
         # Only what differs on this node: the program comes from the shared checkout, run by
