@@ -89,7 +89,11 @@ def test_irq_free_cpus_under_load_released_and_restored(
     assert pool_fired + other_fired > 100, "the load made interrupts (disk and network)"
     loaded = " ".join(deltas["pool"]["changeable"]) + " ".join(deltas["other"]["changeable"])
     assert facts["nic_device"] in loaded and "ahci" in loaded, (facts["nic_device"], loaded)
-    assert opted_fired == 0, deltas["opted"]["changeable"]
+    # 0 on the irq-free CPUs, but for the one interrupt x86 still delivers to the old CPU when
+    # it applies a pending move (above): at most 1, and only for an interrupt that had one.
+    numbers = {label.split()[0]: n for label, n in deltas["opted"]["changeable"].items()}
+    late = {n: count for n, count in numbers.items() if n not in pending or count > 1}
+    assert late == {}, f"interrupts on the irq-free CPUs under load: {deltas['opted']}"
     # Released: every interrupt back to its affinity before the pod, the default too.
     changed = {
         n: (baseline[n], a) for n, a in facts["released"].items()

@@ -83,7 +83,13 @@ class GuestNode:
         if runtime.cri_socket in self._images:
             return
         for command in runtime.import_images:
-            result = self.guest.run(list(command), timeout=300)
+            for _ in range(3):
+                result = self.guest.run(list(command), timeout=300)
+                # ctr's dial deadline can pass while a just-started runtime is still busy
+                # under emulation ("failed to dial ... context deadline exceeded"): again.
+                if result.ok or "failed to dial" not in result.stderr:
+                    break
+                time.sleep(2)
             if not result.ok:
                 raise GuestError(f"importing images into {runtime.name}: {result.describe()}")
         self._images.add(runtime.cri_socket)
