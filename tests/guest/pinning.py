@@ -360,7 +360,7 @@ def journal_cursor() -> str:
     return out.strip().removeprefix("-- cursor: ")
 
 
-def daemon_records(action: str, after: str) -> list[dict[str, Any]]:
+def daemon_records(action: str | None, after: str) -> list[dict[str, Any]]:
     """The daemon's audit records after ``after`` (filtered here: journalctl 252 finds
     nothing with --after-cursor and matches the cursor's entry lacks)."""
     out = subprocess.run(
@@ -372,7 +372,7 @@ def daemon_records(action: str, after: str) -> list[dict[str, Any]]:
     return [
         r
         for r in records
-        if r.get("SYSLOG_IDENTIFIER") == "nri-cpuplugin" and r.get("ACTION") == action
+        if r.get("SYSLOG_IDENTIFIER") == "nri-cpuplugin" and action in (None, r.get("ACTION"))
     ]
 
 
@@ -436,12 +436,15 @@ def parallel_starts(address: str, burstable: int = 4) -> dict[str, Any]:
     results: dict[str, Any] = {}
     errors: list[str] = []
     refused: list[str] = []
+    start_called: dict[str, float] = {}  # wall clock: compared with the journal's
+    cursor = journal_cursor()
 
     def start(name: str, spec: ContainerSpec) -> None:
         try:
             with SystemdKubelet(address) as cri:
                 pod_id = cri.run_pod(PodSpec.for_containers(name, [spec]))
                 cid = cri.create_container(pod_id, spec)
+                start_called[name] = time.time()
                 try:
                     cri.start(cid)
                 except CRIError as e:
@@ -451,6 +454,7 @@ def parallel_starts(address: str, burstable: int = 4) -> dict[str, Any]:
                     refused.append(f"{name}: {str(e)[-300:]}")
                     cri.remove(cid)
                     cid = cri.create_container(pod_id, spec)
+                    start_called[name] = time.time()
                     cri.start(cid)
                 results[name] = {"cid": cid, "first_line": _first_line(cri, cid)}
         except Exception as e:
@@ -485,6 +489,18 @@ def parallel_starts(address: str, burstable: int = 4) -> dict[str, Any]:
             out["shared_first_lines"] = {
                 name: r["first_line"] for name, r in results.items() if name != "par-g"
             }
+            # When the CPUs stopped being shared: the daemon's first record naming the pod
+            # (its earmark at RunPodSandbox, or the allocation).  A shared container whose
+            # start was asked for before then may begin on them (and must be moved: the
+            # samples above); one asked for after must not.
+            named = [
+                r for r in daemon_records(None, cursor) if "default/par-g" in r.get("MESSAGE", "")
+            ]
+            since = min((int(r["__REALTIME_TIMESTAMP"]) / 1e6 for r in named), default=None)
+            out["exclusive_since"] = since
+            out["started_after_exclusive"] = sorted(
+                n for n, t in start_called.items() if n != "par-g" and since and t > since
+            )
         cri.remove_all()
     return out
 

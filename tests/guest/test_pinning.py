@@ -133,7 +133,8 @@ def test_daemon_killed_pins_and_pool_kept(guest: Guest, daemon_node: GuestRuntim
 
 def test_parallel_starts_keep_shared_off(guest: Guest, daemon_node: GuestRuntime) -> None:
     """(e) 4 Burstable pods and a Guaranteed one started together: no shared task on the
-    Guaranteed pod's CPUs at once, 2 s later, nor in any shared container's first line."""
+    Guaranteed pod's CPUs at once, 2 s later, nor in the first line of a shared container
+    started after the CPUs were set aside."""
     facts = _call(guest, "parallel_starts", address=daemon_node.cri_socket)
     assert not facts["errors"], facts["errors"]
     first = facts["pinned_first_line"]
@@ -149,12 +150,17 @@ def test_parallel_starts_keep_shared_off(guest: Guest, daemon_node: GuestRuntime
                 for tid, allowed in seen["tasks"].items()
                 if exclusive & _cpus(allowed)
             ]
-    for name, line in facts["shared_first_lines"].items():
+    # A first line is judged only for containers whose start was asked for once the CPUs
+    # were set aside (earlier ones may begin on them, and are then moved: the samples above).
+    assert facts["exclusive_since"], "the daemon's journal names the Guaranteed pod"
+    for name in facts["started_after_exclusive"]:
+        line = facts["shared_first_lines"][name]
         if exclusive & _cpus(line):
-            found.append(f"{name} first line {line}")
+            found.append(f"{name} started after the allocation, first line {line}")
     checked = sum(len(s["tasks"]) for m in ("at_once", "after_2s") for s in facts[m].values())
     print(
-        f"parallel starts: {checked} shared task reads, {len(found)} on {first}; starts refused "
+        f"parallel starts: {checked} shared task reads, {len(found)} on {first}; started "
+        f"after the allocation: {facts['started_after_exclusive']}; starts refused "
         f"by the daemon and retried as kubelet does: {facts['refused_then_retried']}"
     )
     for refusal in facts["refused_then_retried"]:
