@@ -31,6 +31,8 @@ from .bench_e2e import (
     bench_noisy_neighbour,
     plot_noisy_neighbour,
 )
+from .bench_guest import bench_guest_pod_starts
+from .bench_guest import lines as guest_lines
 from .bench_hook import bench_hook_contention, bench_hook_latency
 from .bench_hw import bench_hotplug_latency, bench_nic_inspection
 from .bench_nic import bench_nic_read_ahead
@@ -881,6 +883,11 @@ def section_crio(quick: bool) -> list[str]:
     return lines
 
 
+def section_guest(quick: bool) -> list[str]:
+    """Pod starts on the QEMU guest node (systemd driver): plugin vs none, ratios."""
+    return guest_lines(bench_guest_pod_starts(rounds=2 if quick else 4))
+
+
 SECTIONS = (
     "foundation",
     "transport",
@@ -892,6 +899,7 @@ SECTIONS = (
     "storm",
     "crio",
     "dbus",
+    "guest",
 )
 
 
@@ -922,6 +930,7 @@ def main() -> None:
         "storm": section_storm,
         "crio": section_crio,
         "dbus": section_dbus,
+        "guest": section_guest,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:

@@ -202,6 +202,14 @@ class CRIClient:
     created below ``log_root``.
     """
 
+    # Short reconnect backoff: containerd restarts within a second in these tests.  gRPC also
+    # takes the minimum as each connection attempt's deadline (the HTTP/2 handshake included).
+    reconnect_options: Sequence[tuple[str, int]] = (
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    )
+
     def __init__(
         self,
         address: str | Path,
@@ -229,13 +237,7 @@ class CRIClient:
         import grpc
 
         self.close()
-        # Short reconnect backoff: containerd restarts within a second in these tests.
-        options = [
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-        ]
+        options = [*self.reconnect_options, ("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         self._channel = grpc.insecure_channel(f"unix://{self.address}", options=options)
         self._stub = self._api.grpc.RuntimeServiceStub(self._channel)
 
@@ -607,8 +609,8 @@ class CRIClient:
         path = self.log_path(cid)
         deadline = time.monotonic() + timeout
         while True:
-            text = path.read_text(errors="replace") if path.exists() else ""
-            lines = parse_cri_log(text, stream)
+            content = path.read_text(errors="replace") if path.exists() else ""
+            lines = parse_cri_log(content, stream)
             if done(lines):
                 return lines
             if time.monotonic() > deadline:

@@ -227,9 +227,10 @@ def oom_score_adj(qos: str, memory_request: int) -> int:
 
 
 def qos_from_cgroup_parent(cgroup_parent: str) -> str:
-    """kubelet nests Burstable and BestEffort pods under a cgroup named after the class."""
-    if f"/{BESTEFFORT}/" in cgroup_parent:
-        return BESTEFFORT
-    if f"/{BURSTABLE}/" in cgroup_parent:
-        return BURSTABLE
+    """kubelet nests Burstable and BestEffort pods under a cgroup named after the class: a
+    directory with the cgroupfs driver (``.../burstable/pod<uid>``), a slice name part with
+    the systemd driver (``kubepods-burstable-pod<uid>.slice``)."""
+    for qos in (BESTEFFORT, BURSTABLE):
+        if f"/{qos}/" in cgroup_parent or f"-{qos}-" in cgroup_parent:
+            return qos
     return GUARANTEED

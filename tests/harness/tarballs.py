@@ -28,7 +28,10 @@ def _shared_runtimes() -> Path:
     elsewhere (CI's ``git clone . "$d/p"``) finds it beside the checkout it was cloned from,
     when that is a local directory (the tarballs are pinned by SHA256 either way).  A copy
     of the checkout elsewhere (tests/e2e/test_checkout_paths.py) gets the tarballs seeded
-    into its lab instead."""
+    into its lab instead.  ``NRI_SHARED_RUNTIMES`` names the directory outright (a git
+    worktree has neither a sibling nor an origin)."""
+    if named := os.environ.get("NRI_SHARED_RUNTIMES"):
+        return Path(named)
     beside = REPO.parent / "shared" / "runtimes"
     if beside.is_dir():
         return beside

@@ -1,0 +1,150 @@
+"""Fixtures for the tests that run on the guest node (harness/guest.py): a QEMU guest with
+systemd as PID 1, cgroup v2, 2 sockets x 2 cores x 2 threads on 2 NUMA nodes, and the
+runtimes on the systemd cgroup driver.
+
+* ``guest`` (session) - booted when the first test that needs it starts (the image is built
+  first if it is not cached), powered off at the end of the session.  One boot serves every
+  guest test: a boot takes about a minute under emulation.
+* ``node`` (session) - the guest as a Kubernetes node (harness/guest_node.py).
+* ``runtime_name`` / ``on_runtime`` - the node's runtime for one test: its pods are removed and
+  the daemon stopped after the test, whatever happened.
+
+The root conftest runs these tests after every other test of the session: the guest keeps
+both host CPUs busy, which timing-sensitive host tests must not share.  A guest or runtime
+that cannot be started fails the test with the reason and the console's or the journal's
+tail; nothing here skips.  A failing test's report carries the guest console's tail and the
+journals of the runtime and the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+from harness import guest_runtimes, guest_vm
+from harness.guest import Guest
+from harness.guest_node import DAEMON_UNIT, GuestNode
+from harness.guest_runtimes import GuestRuntime
+
+RUNTIMES = ("containerd-2.3", "containerd-1.7", "crio")
+SCENARIO_RUNTIME = "containerd-2.3"  # test_pinning.py's and test_irq.py's runtime
+
+# The session's guest and node, for the failure reports below (fixtures are not reachable
+# from a report hook).
+_session: dict[str, object] = {}
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    _, reason = guest_vm.accelerator()
+    return f"guest node: {reason}"
+
+
+def _say(config: pytest.Config, text: str) -> None:
+    """A line in the test output even without -s: which accelerator, how long things took."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(f"[guest] {text}")
+        return
+    with capture.global_and_fixture_disabled():  # output is captured while fixtures run
+        reporter.write_line(f"[guest] {text}")
+
+
+@pytest.fixture(scope="session")
+def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
+    if os.geteuid() != 0:
+        pytest.fail("the guest node needs root (QEMU, debootstrap, 9p shares)", pytrace=False)
+    say = lambda text: _say(request.config, text)  # noqa: E731
+    error = None
+    try:
+        if stale := guest_vm.reap_stale():
+            error = "leftovers of an earlier guest could not be removed:\n" + "\n".join(stale)
+        else:
+            started = time.monotonic()
+            guest_runtimes.prepare()
+            say(f"runtimes and images prepared in the lab in {time.monotonic() - started:.1f} s")
+    except Exception as e:
+        error = f"preparing the guest node's lab failed: {e}"
+    if error:
+        pytest.fail(error, pytrace=False)
+    boot = Guest.boot(log=say)
+    try:
+        booted = boot.__enter__()
+    except Exception as e:
+        error = str(e)
+    if error:
+        pytest.fail(error, pytrace=False)
+    _session["guest"] = booted
+    try:
+        yield booted
+    finally:
+        _session.clear()
+        boot.__exit__(None, None, None)
+        say("guest powered off")
+
+
+@pytest.fixture(scope="session")
+def node(guest: Guest) -> GuestNode:
+    made = GuestNode(guest)
+    _session["node"] = made
+    return made
+
+
+@pytest.fixture
+def on_runtime(node: GuestNode, runtime_name: str) -> Iterator[GuestRuntime]:
+    """``runtime_name`` running as the node's runtime; after the test its pods are gone and
+    the daemon stopped (the next test starts from a clean node)."""
+    error = None
+    try:
+        started = time.monotonic()
+        runtime = node.use(runtime_name)
+        ready = time.monotonic() - started
+    except Exception as e:
+        error = f"{runtime_name} could not be made the node's runtime: {e}"
+    if error:
+        pytest.fail(error, pytrace=False)
+    print(f"{runtime_name} ready in {ready:.1f} s")
+    yield runtime
+    if problems := node.clear():
+        pytest.fail(f"removing the pods of {runtime_name} failed: {problems}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def daemon_node(node: GuestNode) -> Iterator[GuestRuntime]:
+    """containerd 2.3.4 with the daemon, for a module of scenarios (a daemon start under
+    emulation takes tens of seconds: one per module); each scenario removes its own pods, and
+    the node is cleared after the module."""
+    error = None
+    try:
+        started = time.monotonic()
+        runtime = node.use(SCENARIO_RUNTIME)
+        node.start_daemon()
+        ready = time.monotonic() - started
+    except Exception as e:
+        error = f"{SCENARIO_RUNTIME} with the daemon could not be started: {e}"
+    if error:
+        pytest.fail(error, pytrace=False)
+    print(f"{SCENARIO_RUNTIME} and the daemon ready in {ready:.1f} s")
+    yield runtime
+    if problems := node.clear():
+        pytest.fail(f"removing the pods of {SCENARIO_RUNTIME} failed: {problems}", pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or "guest" not in item.keywords:
+        return
+    guest = _session.get("guest")
+    node = _session.get("node")
+    try:
+        if isinstance(node, GuestNode):
+            report.sections.append(("runtime journal", node.log()))
+            report.sections.append(("daemon journal", node.journal(DAEMON_UNIT, 60)))
+        if isinstance(guest, Guest):
+            report.sections.append(("guest console", guest.console_tail(80)))
+    except Exception as e:  # the guest may be what failed: the report must still be written
+        report.sections.append(("guest", f"could not collect the guest's logs: {e}"))

@@ -1,0 +1,125 @@
+"""Smoke tests of the guest node: the machine is a production node's shape, each runtime runs
+pods the way kubelet's systemd driver places them, and the project's daemon pins on it.
+
+What the guest kernel and systemd report is what is checked (scenarios.py gathers it in the
+guest); each test prints the facts and timings it saw, for the CI log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from harness.guest import Guest
+from harness.guest_node import GuestNode
+from harness.guest_runtimes import GuestRuntime
+
+from guest.conftest import RUNTIMES
+
+CONTROLLERS = "cpuset"
+
+
+def test_kernel_reports_a_production_node(guest: Guest) -> None:
+    """2 sockets, 2 NUMA nodes, 2 threads per core; cgroup v2 only; systemd as PID 1; the
+    cpuset controller enabled from the root down to kubepods.slice and its QoS slices."""
+    topology = guest.kernel_topology()
+    print(f"accelerator: {guest.vm.accel_reason}; boot {guest.boot_seconds} s")
+    print(f"guest kernel: {topology.summary()}")
+    assert topology.sockets == 2, topology.lscpu
+    assert topology.numa_nodes == 2, topology.lscpu
+    assert topology.threads_per_core == 2, topology.lscpu
+    assert topology.node_cpus == {0: "0-3", 1: "4-7"}, topology.node_cpus
+    assert sorted(set(topology.thread_siblings.values())) == ["0-1", "2-3", "4-5", "6-7"]
+    facts = guest.call("guest.scenarios:node")
+    print(json.dumps(facts, indent=1))
+    assert facts["cgroup_statfs"] == "cgroup2fs", facts
+    assert facts["cgroup_fs"] == "cgroup2" and facts["v1_hierarchies"] == [], "v2 only"
+    assert facts["pid1"] == "systemd"
+    for level in ("root", "kubepods"):
+        assert CONTROLLERS in facts[f"{level}_subtree_control"], facts
+    assert CONTROLLERS in facts["kubepods_controllers"], facts
+    assert CONTROLLERS in facts["burstable_controllers"], facts
+    assert facts["kubepods_cpus_effective"] == "0-7"
+    assert facts["kubepods_mems_effective"] == "0-1"
+
+
+@pytest.mark.parametrize("runtime_name", RUNTIMES)
+def test_daemon_pins_a_guaranteed_pod_on_one_core(
+    guest: Guest, node: GuestNode, on_runtime: GuestRuntime
+) -> None:
+    """With ``nri-cpuplugin run`` as packaging/ installs it (pin_at default), a 2-CPU
+    Guaranteed container is born on one whole core - its first instruction already sees
+    the pair of SMT siblings, and systemd's ``AllowedCPUs`` of its scope agrees - and a
+    Burstable pod running before it is moved off that core."""
+    started = time.monotonic()
+    node.start_daemon()
+    print(f"daemon synchronized in {time.monotonic() - started:.1f} s")
+    _check_pinned_on_one_core(guest, on_runtime)
+    records = node.daemon_records("allocate")
+    assert records, "the daemon's audit trail in the journal names the allocation"
+    # The runtime's NRI timeouts are raised under TCG (guest_runtimes.py); the daemon's own
+    # request budget is not, and must still hold.
+    missed = [r["MESSAGE"] for r in node.daemon_records("deadline")]
+    assert not missed, f"the daemon missed its own request budget: {missed}"
+
+
+@pytest.mark.parametrize("runtime_name", ["crio-hooks"])
+def test_hook_pins_a_guaranteed_pod_on_one_core(guest: Guest, on_runtime: GuestRuntime) -> None:
+    """CRI-O with NRI off and hooks/*.json in hooks.d (packaging/crio's hook mode): the OCI
+    hook places the containers, under the systemd driver too - the same whole core from the
+    first instruction, ``AllowedCPUs`` set through systemd, the Burstable pod moved off."""
+    _check_pinned_on_one_core(guest, on_runtime)
+
+
+def _check_pinned_on_one_core(guest: Guest, runtime: GuestRuntime) -> None:
+    started = time.monotonic()
+    facts = guest.call("guest.scenarios:pinned_and_shared", address=runtime.cri_socket)
+    print(f"{runtime.name}: scenario {time.monotonic() - started:.1f} s")
+    print(json.dumps(facts, indent=1))
+    siblings = set(guest.kernel_topology().thread_siblings.values())
+    pinned, shared = facts["pinned"], facts["shared"]
+    first = facts["pinned_first_line"]
+    assert first in siblings, f"born on {first}, not on one whole core of {sorted(siblings)}"
+    assert pinned["cpus_allowed_list"] == first
+    assert pinned["cpuset_cpus_effective"] == first
+    assert pinned["allowed_cpus"] == first.replace(",", " "), "systemd's view of the scope"
+    exclusive = set(_cpus(first))
+    assert not exclusive & set(_cpus(shared["cpus_allowed_list"])), shared
+    assert not exclusive & set(_cpus(shared["cpuset_cpus_effective"])), shared
+    assert not exclusive & set(_cpus(shared["allowed_cpus"])), "systemd's view of the scope"
+    assert facts["shared_moved_after_s"] == 0, "moved by the pinned container's creation"
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_guaranteed_pod_is_a_scope_in_its_pod_slice(guest: Guest, on_runtime: GuestRuntime) -> None:
+    """The systemd driver as kubelet uses it: the pod's cgroup parent is the slice name
+    ``kubepods-pod<uid>.slice``, and the runtime makes the container a scope inside it (an
+    active systemd unit) with the cpuset controller available to it."""
+    started = time.monotonic()
+    facts = guest.call("guest.scenarios:guaranteed_pod", address=on_runtime.cri_socket)
+    print(f"{on_runtime.name}: pod started in {facts['timings']['pod_start']} s "
+          f"(scenario {time.monotonic() - started:.1f} s)")  # fmt: skip
+    print(json.dumps(facts, indent=1))
+    assert facts["runtime"]["runtime_version"].lstrip("v").startswith(on_runtime.release)
+    pod_slice = facts["pod_slice_expected"]
+    assert pod_slice.startswith("kubepods-pod") and pod_slice.endswith(".slice")
+    prefix = "crio" if on_runtime.name == "crio" else "cri-containerd"
+    scope = f"{prefix}-{facts['id']}.scope"
+    assert facts["cgroup"] == f"/kubepods.slice/{pod_slice}/{scope}", facts
+    assert facts["cgroups_path"] == f"{pod_slice}:{prefix}:{facts['id']}", facts
+    assert facts["unit_active"] == "active", "the scope is a live systemd unit"
+    assert CONTROLLERS in facts["scope_controllers"], facts
+    assert facts["cpuset_cpus_effective"] == "0-7", "no daemon: the container has every CPU"
+
+
+def _cpus(text: str) -> list[int]:
+    cpus: set[int] = set()
+    for part in filter(None, text.replace(" ", ",").split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
