@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cri import ContainerSpec, CRIError
-from harness.guest_kubelet import CGROUP_ROOT, SystemdKubelet, unit_property
+from harness.guest_kubelet import CGROUP_ROOT, SystemdError, SystemdKubelet, unit_property
 from harness.k8s import PodSpec
 
 from guest.scenarios import FIRST_LINE, _cpu_list, _first_line, _read, container_facts
@@ -245,10 +245,11 @@ def churn_under_reloads(
         def run(name: str, spec: ContainerSpec) -> Any:
             """A pod start, tried again once when systemd was away: runc's StartTransientUnit
             during a daemon-reexec gets "disconnected from message bus without replying",
-            and kubelet retries such a start."""
+            and kubelet retries such a start; so does kubelet's own creation of the pod's
+            slice, which this harness plays (SystemdError)."""
             try:
                 return cri.run(name, [spec])
-            except CRIError as e:
+            except (CRIError, SystemdError) as e:
                 if "message bus" not in str(e):
                     raise
                 retried.append(f"{name}: {str(e)[-120:]}")
