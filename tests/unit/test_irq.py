@@ -169,3 +169,37 @@ def test_what_a_killed_daemon_took_is_given_back_by_the_next_one(node):
     again.synchronize([], [])  # the runtime lists no container: it is gone
     assert affinity(proc, 24) == "0-7" and not again.on_disk().irqs
     again.close()
+
+
+def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
+    from test_hotplug import Machine, cpu_event
+
+    machine = Machine(tmp_path)  # 8 CPUs, 2 sockets; its sysfs at tmp_path/sysfs
+    machine.set()
+    proc = proc_tree(tmp_path / "proc", {24: "0-7"})
+    settings = Settings(sysfs=str(machine.root), state_dir=str(tmp_path / "state"))
+    driver = Driver(settings, flags={"reserved_cpus": P("0")})
+    driver.configure()
+    driver.daemon.stop_hotplug()  # events are submitted below, as the listener would
+    driver.synchronize([], [])
+    try:
+        db = pod("db")
+        db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+        pg = container("pg", db, 2000)
+        before = P(driver.create_container(db, pg)[0].linux.resources.cpu.cpus)
+        assert not P(affinity(proc, 24)) & before
+        lost = max(before)
+        machine.set(offline={lost})
+        cpu_event(driver, "offline", lost)
+        held = driver.state.assignments[pg.id].cpus
+        assert held != before  # a replacement CPU, which the interrupt must leave too
+        assert not P(affinity(proc, 24)) & held
+        # the offline CPU stays recorded as taken, to be given back once it is online again
+        assert lost in driver.on_disk().irqs[24].taken
+        machine.set()
+        cpu_event(driver, "online", lost)
+        assert not P(affinity(proc, 24)) & driver.state.assignments[pg.id].cpus
+        driver.stop_container(db, pg)
+        assert affinity(proc, 24) == "0-7" and not driver.on_disk().irqs
+    finally:
+        driver.close()
