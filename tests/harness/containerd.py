@@ -431,7 +431,26 @@ class Containerd(RuntimeProcess):
                 f"ctr images import {tar} failed (exit {result.returncode}): "
                 f"{result.stderr.strip()[-1500:]}\n{self.log_tail()}"
             )
+        if tar == image.images_tar(self.lab):
+            self._wait_until_cri_has(image.IMAGES)
         self._images_imported = True
+
+    def _wait_until_cri_has(self, refs: Mapping[str, object], timeout: float = 10.0) -> None:
+        # containerd 2.x's CRI learns of an imported image from the image store's events, a
+        # moment after `ctr images import` returned: a RunPodSandbox sent at once can miss the
+        # pause image and try to pull it from the (unresolvable) lab registry.
+        deadline = time.monotonic() + timeout
+        missing = list(refs)
+        while missing:
+            missing = [ref for ref in missing if not self.cri().image_known(ref)]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise HarnessError(
+                    f"CRI of containerd {self.version} does not list {missing} {timeout} s "
+                    f"after they were imported\n{self.log_tail()}"
+                )
+            time.sleep(0.02)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of containerd's log, for error messages."""

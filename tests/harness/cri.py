@@ -272,6 +272,17 @@ class CRIClient:
             "runtime_api_version": r.runtime_api_version,
         }
 
+    def image_known(self, ref: str) -> bool:
+        """Whether the runtime's CRI image service has ``ref`` (ImageStatus)."""
+        import grpc
+
+        stub = self._api.grpc.ImageServiceStub(self._channel)
+        request = self.pb.ImageStatusRequest(image=self.pb.ImageSpec(image=ref))
+        try:
+            return stub.ImageStatus(request, timeout=self.timeout).HasField("image")
+        except grpc.RpcError as e:
+            raise CRIError("ImageStatus", e.code().name, e.details() or "") from None
+
     def status(self) -> dict[str, bool]:
         """Runtime conditions, e.g. ``{"RuntimeReady": True, "NetworkReady": False}`` (no CNI)."""
         r = self.call("Status", self.pb.StatusRequest())
