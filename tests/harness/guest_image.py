@@ -82,7 +82,7 @@ PACKAGES = (
 FORMAT = 1
 IMAGE_SIZE = "4G"  # sparse; about 1 GB is used
 HOSTNAME = "nri-guest"
-# shortpaths kind of a build's private directory (/tmp/nri-guest-build-XXXX)
+# shortpaths kind of a build's private directory (<tmp>/nri-guest-build-XXXX)
 BUILD_KIND = "guest-build"
 
 # The harness directory comes into the guest under this 9p tag, and the agent runs from it.
@@ -211,7 +211,7 @@ def build(lab: Path = debs.LAB, log: Path | None = None) -> GuestImage:
         partial.mkdir()
         # debootstrap is a shell script that breaks on a target path with spaces (its grep
         # of the Packages lists): the tree is made in a short private directory instead.
-        work = shortpaths.make(BUILD_KIND, within=Path("/tmp"))
+        work = shortpaths.make(BUILD_KIND, within=shortpaths.BASES[1])
         try:
             _build_into(partial, work, lab, tools, log or partial / "build.log")
         finally:

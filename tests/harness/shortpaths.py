@@ -44,7 +44,7 @@ from typing import Any
 
 from . import host
 
-BASES = (Path("/run"), Path("/tmp"))
+BASES = (Path("/run"), Path(tempfile.gettempdir()))
 PREFIX = "nri-"
 OWNER_FILE = "owner.json"
 # The longest directory path accepted: podman's runroot (the longest name we put below a short

@@ -40,7 +40,7 @@ class JournalCatcher:
 
     def __init__(self) -> None:
         # Short: a unix socket path has 108 bytes, and pytest's tmp_path can be long.
-        self.dir = Path(tempfile.mkdtemp(prefix="nri-journal-", dir="/tmp"))
+        self.dir = Path(tempfile.mkdtemp(prefix="nri-journal-"))
         self.path = self.dir / "socket"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(self.path))
