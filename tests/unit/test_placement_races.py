@@ -338,13 +338,9 @@ def offline_its_cpu(node: ModelNode, ctr: Ctr) -> None:
     assert cpu not in node.state.assignments[ctr.id].cpus
 
 
-def test_an_exclusive_container_created_before_its_cpu_went_offline_starts(model):
-    """The systemd driver, systemd out of reach: an exclusive container is created on a CPU
-    that goes offline before it starts (the daemon gives it another; the runtime's cgroup for
-    it falls back to its pod's CPUs).  Its own new CPU is not another's: it starts, and is
-    owed to the runtime's next reply - not refused for running on "exclusive" CPUs."""
-    node = model("systemd")
-    other = node.pod("other").add("main", 1000, 1000)
+def start_after_its_cpu_went_offline(node: ModelNode) -> tuple[Ctr, str]:
+    """An exclusive container created, its CPU offlined, then started: the container and the
+    start's line in the runtime's log."""
     db = node.pod("db").add("pg", 1000, 1000)
     [pg] = db.containers
     node.runtime.run_pod(db)
@@ -352,6 +348,17 @@ def test_an_exclusive_container_created_before_its_cpu_went_offline_starts(model
     offline_its_cpu(node, pg)
     line = node.runtime.start(pg)
     node.host.quiesce()
+    return pg, line
+
+
+def test_an_exclusive_container_created_before_its_cpu_went_offline_starts(model):
+    """The systemd driver, systemd out of reach: an exclusive container is created on a CPU
+    that goes offline before it starts (the daemon gives it another; the runtime's cgroup for
+    it falls back to its pod's CPUs).  Its own new CPU is not another's: it starts, and is
+    owed to the runtime's next reply - not refused for running on "exclusive" CPUs."""
+    node = model("systemd")
+    other = node.pod("other").add("main", 1000, 1000)
+    pg, line = start_after_its_cpu_went_offline(node)
     assert "refused" not in line and pg.id in node.host.daemon.node.owed
     assert not on_exclusive(node, pg)
     node.up(other)  # the next reply that can carry updates moves it
@@ -365,13 +372,7 @@ def test_a_refused_start_of_an_exclusive_container_keeps_nothing(model):
     node = model("systemd")
     other = node.pod("other").add("main", 1000, 1000)
     node.up(other)
-    db = node.pod("db").add("pg", 1000, 1000)
-    [pg] = db.containers
-    node.runtime.run_pod(db)
-    node.runtime.create(pg)
-    offline_its_cpu(node, pg)
-    line = node.runtime.start(pg)
-    node.host.quiesce()
+    pg, line = start_after_its_cpu_went_offline(node)
     assert "refused" in line and "exclusive to others" in line
     assert not held_anywhere(node, pg.id)
 
