@@ -29,6 +29,8 @@ import time
 
 from ..base.errors import PluginError
 from . import dbus_wire as wire
+from .dbus_auth import auth_external, auth_reply
+from .dbus_unmarshal import MessageReader
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
@@ -300,7 +302,7 @@ class Conversation:
         self.hello = hello
         self.uid = os.geteuid() if uid is None else uid
         self.serials = wire.Serials()
-        self.reader = wire.MessageReader(MAX_REPLY)
+        self.reader = MessageReader(MAX_REPLY)
         self.authenticated = False
         self.name: str | None = None  # our unique name on the bus, once Hello is answered
         self.in_flight: dict[int, Batch] = {}  # serial -> batch
@@ -315,7 +317,7 @@ class Conversation:
         return self.authenticated and (not self.hello or self.name is not None)
 
     def greeting(self) -> bytes:
-        data = wire.auth_external(self.uid)
+        data = auth_external(self.uid)
         if self.hello:
             serial = self.serials.next()
             self.in_flight[serial] = _HELLO
@@ -369,7 +371,7 @@ class Conversation:
         try:
             if not self.authenticated:
                 self.pending += data
-                reply = wire.auth_reply(self.pending)
+                reply = auth_reply(self.pending)
                 if reply is None:
                     return
                 self.authenticated = True

@@ -26,6 +26,8 @@ from jeepney.low_level import Parser as JeepneyParser
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.hardware import dbus_wire as wire
 from nri_cpuplugin.hardware import systemd_units as su
+from nri_cpuplugin.hardware.dbus_auth import auth_external
+from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
 from nri_cpuplugin.hardware.systemd_units import SystemdError
 
 # --- unit names -------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ OK_LINE = b"OK 0123456789abcdef0123456789abcdef\r\n"
 
 
 def _calls(data: bytes) -> list[wire.Message]:
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(data)
     return reader.messages()
 
@@ -184,8 +186,8 @@ def _reply(call: wire.Message, serial: int, error: str | None = None, text: str 
 def _greeted(hello: bool = True) -> tuple[su.Conversation, list[wire.Message]]:
     conversation = su.Conversation(hello=hello, uid=0)
     greeting = conversation.greeting()
-    assert greeting.startswith(wire.auth_external(0))
-    return conversation, _calls(greeting[len(wire.auth_external(0)) :])
+    assert greeting.startswith(auth_external(0))
+    return conversation, _calls(greeting[len(auth_external(0)) :])
 
 
 def test_the_greeting_pipelines_auth_and_hello() -> None:
@@ -376,7 +378,7 @@ def _systemd(
     conn: socket.socket, answer: Callable[[wire.Message, int], bytes] | None = None
 ) -> None:
     """A well-behaved peer-to-peer systemd: OK, then an answer per call."""
-    reader = wire.MessageReader()
+    reader = MessageReader()
     data = b""
     while b"BEGIN\r\n" not in data:
         data += conn.recv(4096)
@@ -489,7 +491,7 @@ def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
             answered.append(call.body[0])
             return wire.method_return(serial, call)
 
-        reader = wire.MessageReader()
+        reader = MessageReader()
         data = b""
         while b"BEGIN\r\n" not in data:
             data += conn.recv(4096)
