@@ -14,7 +14,8 @@ systemd is slow, and names the cause.
 from __future__ import annotations
 
 from ..hardware import cpusets
-from ..hardware.systemd_units import SystemdClient, SystemdError, unit_name
+from ..hardware.systemd_client import SystemdClient
+from ..hardware.systemd_units import SystemdError, unit_name
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 

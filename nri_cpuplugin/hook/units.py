@@ -1,7 +1,8 @@
 """The hook's cpuset changes to containers of the systemd cgroup driver, made as systemd keeps
 them: after the cgroup files are written, each such container's scope gets the same CPUs (and
 memory nodes) as its ``AllowedCPUs``/``AllowedMemoryNodes`` through systemd's D-Bus API
-(hardware/systemd_units.py), so ``systemctl daemon-reload`` does not put an older cpuset back.
+(hardware/systemd_units.py, systemd_client.py), so ``systemctl daemon-reload`` does not put an
+older cpuset back.
 
 The D-Bus client is imported only when a run changes a scope: on a cgroupfs node the hook's
 start-up pays nothing for it.  What systemd does not take is reported, not fatal: the cgroups
@@ -50,6 +51,7 @@ def tell_systemd(changes: list[Change], setting: str) -> list[str]:
     if not changes:
         return []
     from ..hardware import systemd_units as su  # only now: see the module docstring
+    from ..hardware.systemd_client import SystemdClient
 
     path = su.bus_path(setting)
     if path is None:
@@ -57,7 +59,7 @@ def tell_systemd(changes: list[Change], setting: str) -> list[str]:
     try:
         for unit, _, _ in changes:
             su.check_unit_name(unit)
-        with su.SystemdClient(path) as client:
+        with SystemdClient(path) as client:
             results = client.set_allowed(changes, TIMEOUT)
     except su.SystemdError as err:
         return [str(err)]

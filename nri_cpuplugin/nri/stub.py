@@ -1,44 +1,13 @@
-"""The asyncio side of an NRI plugin: socket, registration, dispatch to handler methods.
+"""The asyncio side of an NRI plugin: the socket, registration, reconnects, and each request
+served within the runtime's deadline.
 
-A plugin is any object with some of these methods (sync or ``async``); the stub subscribes to
-exactly the events it has handlers for, in the manner of containerd/nri's Go ``pkg/stub``:
-
-    configure(config, runtime_name, runtime_version)           -> None | names | int mask
-    synchronize(pods, containers)                              -> [ContainerUpdate]
-    shutdown()                                                 -> None
-    create_container(pod, container)                           -> (ContainerAdjustment | None,
-                                                                   [ContainerUpdate])
-    update_container(pod, container, linux_resources)          -> [ContainerUpdate]
-    stop_container(pod, container)                             -> [ContainerUpdate]
-    run_pod_sandbox / stop_pod_sandbox / remove_pod_sandbox(pod)                -> None
-    post_create_container / start_container / post_start_container /
-    post_update_container / remove_container(pod, container)                    -> None
-    update_pod_sandbox(pod, overhead, resources)    (NRI >= 0.10)               -> None
-    post_update_pod_sandbox(pod)                    (NRI >= 0.10)               -> None
-    connection_lost()                                          -> None  (not an NRI event)
-
-Arguments are the generated protobuf messages (``nri_cpuplugin.nri.pb.nri_pb2``).  A handler
-that raises makes the stub answer with an error status, which fails the runtime operation
-(fail closed) while the plugin stays connected.
-
-Events are delivered however the runtime's NRI version sends them: NRI 0.12's own method per
-event, or StateChange before it (and whenever a method is answered UNIMPLEMENTED, see
-``unimplemented``).  The stub registers as speaking NRI 0.12 (``NRI_VERSION``) and subscribes
-only to events the runtime's NRI knows: the pod-update events need NRI 0.10, which the runtime
-says (0.12) or the stub infers from the runtime's name and release (``handlers.runtime_nri``);
-``runtime_nri`` holds the result once Configure has arrived.
-
-``configure`` may narrow the subscription for this connection, as the Go stub's Configure
-handler can: return None (or the int 0, as in Go) to keep every handler's event, or the event
-handler names (``["create_container", "remove_container"]``) or an int mask (bit
-``1 << (event - 1)``) to subscribe to those only.  Asking for an event the plugin has no
-handler for is an error, answered to the runtime, which then drops the connection.
-
-The plugin object is checked when the Stub is built: a public callable whose name looks like a
-handler but is none the stub calls (``create_containers``, ``stop_pod``, ``on_start``,
-``Synchronize``) is a ValueError naming the closest handler, and a handler name bound to
-something not callable is a TypeError - either would otherwise be a subscription that silently
-never fires.  Helpers that must have such names take a leading underscore.
+The stub connects a plugin object (any object with some of the event handlers that
+plugin_service.py lists) to the runtime: it registers as speaking NRI 0.12 (``NRI_VERSION``),
+reads the runtime's requests and hands each to its ``PluginService`` method under a guard - an
+answer within ``DEADLINE_SHARE`` of the runtime's deadline, a handler's exception answered as
+an error status - and writes the answers.  Whatever ends a connection, the stub reconnects
+with backoff (or, launched by the runtime, stops), and tells the plugin (``connection_lost``).
+It also carries the plugin's own calls to the runtime (``update_containers``).
 """
 
 from __future__ import annotations
@@ -46,31 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from ..base.errors import PluginError
 from . import connection as wire
 from .errors import ProtocolError
-from .handlers import (
-    EVENT_BITS,
-    EVENT_HANDLERS,
-    PER_EVENT_METHODS,
-    POD_EVENTS,
-    NRIVersion,
-    SubscriptionError,
-    check_handlers,
-    describe_events,
-    event_mask,
-    narrowed_events,
-    runtime_nri,
-)
 from .pb import nri_pb2 as pb
+from .plugin_service import PluginService
 
 log = logging.getLogger("nri_cpuplugin.nri")
 
@@ -81,22 +36,9 @@ SOCKET_ENV = "NRI_SOCKET_PATH"  # our own override; NRI defines none for externa
 # The NRI protocol level this stub speaks, sent in RegisterPlugin (NRI 0.12 logs it; older
 # runtimes skip the field): per-event methods, the pod-update events, the version exchange.
 NRI_VERSION = "v0.12.0"
-# Each per-event method's request message (docs/nri-wire.md §9.5).
-PER_EVENT_REQUESTS: dict[str, Any] = {
-    "RunPodSandbox": pb.RunPodSandboxRequest,
-    "StopPodSandbox": pb.StopPodSandboxRequest,
-    "RemovePodSandbox": pb.RemovePodSandboxRequest,
-    "PostCreateContainer": pb.PostCreateContainerRequest,
-    "StartContainer": pb.StartContainerRequest,
-    "PostStartContainer": pb.PostStartContainerRequest,
-    "PostUpdateContainer": pb.PostUpdateContainerRequest,
-    "RemoveContainer": pb.RemoveContainerRequest,
-    "PostUpdatePodSandbox": pb.PostUpdatePodSandboxRequest,
-}
 
-# Deadlines and what a miss costs: docs/nri-wire.md §12.
-REGISTRATION_TIMEOUT = 5.0  # the runtime's default wait for RegisterPlugin
-REQUEST_TIMEOUT = 2.0  # the runtime's default per-request timeout, until Configure says more
+# Deadlines and what a miss costs: docs/nri-wire.md §12 (the runtime's own timeouts, until its
+# Configure says more: plugin_service.REQUEST_TIMEOUT, REGISTRATION_TIMEOUT).
 # Answer within this share of the runtime's deadline: a late answer is worse than an error,
 # because the runtime then drops the plugin and creates the container unpinned (fail open).
 # The last resort, for handlers that await: a plugin that can answer something better than
@@ -126,7 +68,7 @@ class UpdateError(PluginError):
     code = "update"
 
 
-class Stub:
+class Stub(PluginService):
     """Connects a plugin object to the runtime and serves it until stopped.
 
     Two modes: *daemon* (connect to ``socket_path``, reconnect with backoff whenever the
@@ -154,26 +96,12 @@ class Stub:
             raise ValueError(f"plugin index {index!r} must be two digits, 00-99")
         if not name:
             raise ValueError("plugin name must not be empty")
-        self.plugin = plugin
+        super().__init__(plugin, unimplemented)
         self.name = name
         self.index = index
         self.socket_path = socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
         self.launched_fd = launched_fd
         self.observe = observe  # (method, seconds) of every request served: for metrics
-        check_handlers(plugin)
-        self.handled_events = event_mask(plugin)
-        # What this connection subscribed to: all handled events until Configure narrows it.
-        self.events = self.handled_events
-        if not self.events:
-            # On the wire 0 means "everything", which would make us a validator of every
-            # container on NRI >= 0.10.  A plugin without handlers is a mistake.
-            raise ValueError("the plugin defines no event handlers; nothing to subscribe to")
-        self.runtime_name = ""
-        self.runtime_version = ""
-        # Until Configure says otherwise: an old runtime, which accepts the fewest events.
-        self.runtime_nri = NRIVersion("", since_0_10=False, inferred=True)
-        self.request_timeout = REQUEST_TIMEOUT
-        self.registration_timeout = REGISTRATION_TIMEOUT
         self.connected = asyncio.Event()
         self._stopping = asyncio.Event()
         self._conn: wire.Connection | None = None
@@ -181,35 +109,6 @@ class Stub:
         self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future[wire.ResponseReceived]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._sync_pods: list[pb.PodSandbox] = []
-        self._sync_containers: list[pb.Container] = []
-        self._configured = False  # this connection's Configure was answered with success
-        self._methods = self._method_table(plugin, set(unimplemented))
-
-    def _method_table(self, plugin: object, refused: set[str]) -> dict[str, Callable[[bytes], Any]]:
-        """The ttrpc methods served, by name: the NRI 0.6-0.11 set, and the NRI 0.12
-        per-event methods the plugin handles (unless ``refused``)."""
-        methods: dict[str, Callable[[bytes], Any]] = {
-            "Configure": self._configure,
-            "Synchronize": self._synchronize,
-            "Shutdown": self._shutdown,
-            "CreateContainer": self._create_container,
-            "UpdateContainer": self._update_container,
-            "StopContainer": self._stop_container,
-            "StateChange": self._state_change,
-        }
-        if refused - PER_EVENT_METHODS.keys():
-            raise ValueError(
-                f"unimplemented={sorted(refused - PER_EVENT_METHODS.keys())}: only NRI 0.12 "
-                f"per-event methods fall back to StateChange ({', '.join(PER_EVENT_METHODS)})"
-            )
-        for method, handler in PER_EVENT_METHODS.items():
-            if callable(getattr(plugin, handler, None)) and method not in refused:
-                methods[method] = self._per_event(method, handler)
-        if callable(getattr(plugin, "update_pod_sandbox", None)):
-            # No StateChange form exists for it: served whenever the plugin handles it.
-            methods["UpdatePodSandbox"] = self._update_pod_sandbox
-        return methods
 
     @classmethod
     def from_environment(
@@ -276,9 +175,7 @@ class Stub:
     ) -> None:
         self._conn = wire.Connection()
         self._writer = writer
-        self._sync_pods, self._sync_containers = [], []
-        self._configured = False
-        self.events = self.handled_events  # each connection's Configure narrows afresh
+        self._new_connection()
         reading = asyncio.create_task(self._read_loop(reader))
         try:
             await self._register()
@@ -414,136 +311,6 @@ class Stub:
                 self.observe(request.method, time.perf_counter() - started)
         if request.method == "Shutdown":
             self.stop()
-
-    async def _call_plugin(self, name: str, *args: Any) -> Any:
-        bit = EVENT_BITS.get(name)
-        if bit is not None and not self.events & bit:
-            # Narrowed out by configure(): the runtime should not send it, and if it does the
-            # plugin still only sees what it subscribed to.
-            return None
-        handler = getattr(self.plugin, name, None)
-        if not callable(handler):
-            return None
-        result = handler(*args)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
-
-    async def _configure(self, payload: bytes) -> bytes:
-        request = pb.ConfigureRequest.FromString(payload)
-        self.runtime_name = request.runtime_name
-        self.runtime_version = request.runtime_version
-        if request.request_timeout > 0:  # milliseconds; only NRI >= 0.7 sends it
-            self.request_timeout = request.request_timeout / 1000
-        if request.registration_timeout > 0:
-            self.registration_timeout = request.registration_timeout / 1000
-        self.runtime_nri = runtime_nri(
-            request.NRI_version, request.runtime_name, request.runtime_version
-        )
-        wanted = await self._call_plugin(
-            "configure", request.config, request.runtime_name, request.runtime_version
-        )
-        try:
-            events = narrowed_events(self.handled_events, wanted)
-        except (SubscriptionError, TypeError) as err:
-            # Answered as an error: the runtime then drops the connection, as it does for a
-            # Go plugin whose Configure asks for events it cannot handle.
-            log.error("refusing the plugin's subscription: %s", err)
-            raise
-        valid = self.runtime_nri.valid_events
-        if events & ~valid:
-            nri = self.runtime_nri.version or "unknown"
-            log.info(
-                "not subscribing to %s: %s %s (NRI %s) does not send them",
-                describe_events(events & ~valid),
-                request.runtime_name,
-                request.runtime_version,
-                nri,
-            )
-        self.events = events & valid
-        if not self.events:
-            # On the wire 0 would mean every event, validation included: refuse instead.
-            raise SubscriptionError(
-                f"none of the plugin's events ({describe_events(events)}) is one "
-                f"{request.runtime_name} {request.runtime_version} can send"
-            )
-        if self.events != self.handled_events:
-            log.info("subscribed to %s", describe_events(self.events))
-        self._configured = True
-        return pb.ConfigureResponse(events=self.events).SerializeToString()
-
-    async def _synchronize(self, payload: bytes) -> bytes:
-        request = pb.SynchronizeRequest.FromString(payload)
-        self._sync_pods.extend(request.pods)
-        self._sync_containers.extend(request.containers)
-        if request.more:  # a chunk of a split sync: acknowledge, answer on the last one
-            return pb.SynchronizeResponse(more=True).SerializeToString()
-        pods, containers = self._sync_pods, self._sync_containers
-        self._sync_pods, self._sync_containers = [], []
-        updates = await self._call_plugin("synchronize", pods, containers) or []
-        return pb.SynchronizeResponse(update=updates).SerializeToString()
-
-    async def _shutdown(self, payload: bytes) -> bytes:
-        await self._call_plugin("shutdown")
-        return b""
-
-    async def _create_container(self, payload: bytes) -> bytes:
-        request = pb.CreateContainerRequest.FromString(payload)
-        result = await self._call_plugin("create_container", request.pod, request.container)
-        adjust, updates = result if result is not None else (None, [])
-        response = pb.CreateContainerResponse(update=updates or [])
-        if adjust is not None:
-            response.adjust.CopyFrom(adjust)
-        return response.SerializeToString()
-
-    async def _update_container(self, payload: bytes) -> bytes:
-        request = pb.UpdateContainerRequest.FromString(payload)
-        updates = await self._call_plugin(
-            "update_container", request.pod, request.container, request.linux_resources
-        )
-        return pb.UpdateContainerResponse(update=updates or []).SerializeToString()
-
-    async def _stop_container(self, payload: bytes) -> bytes:
-        request = pb.StopContainerRequest.FromString(payload)
-        updates = await self._call_plugin("stop_container", request.pod, request.container)
-        return pb.StopContainerResponse(update=updates or []).SerializeToString()
-
-    async def _state_change(self, payload: bytes) -> bytes:
-        request = pb.StateChangeEvent.FromString(payload)
-        name = EVENT_HANDLERS.get(request.event)
-        # UPDATE_POD_SANDBOX carries resources, which a StateChange cannot: never sent so.
-        if name is not None and name != "update_pod_sandbox":
-            await self._dispatch_event(name, request.pod, request.container)
-        return b""
-
-    def _per_event(self, method: str, name: str) -> Callable[[bytes], Any]:
-        message = PER_EVENT_REQUESTS[method]
-
-        async def serve(payload: bytes) -> bytes:
-            request = message.FromString(payload)
-            container = request.container if name not in POD_EVENTS else None
-            await self._dispatch_event(name, request.pod, container)
-            return b""  # every per-event response is an empty message
-
-        return serve
-
-    async def _update_pod_sandbox(self, payload: bytes) -> bytes:
-        request = pb.UpdatePodSandboxRequest.FromString(payload)
-        await self._call_plugin(
-            "update_pod_sandbox",
-            request.pod,
-            request.overhead_linux_resources,
-            request.linux_resources,
-        )
-        return b""  # UpdatePodSandboxResponse has no fields
-
-    async def _dispatch_event(
-        self, name: str, pod: pb.PodSandbox, container: pb.Container | None
-    ) -> None:
-        if name in POD_EVENTS:
-            await self._call_plugin(name, pod)
-        else:
-            await self._call_plugin(name, pod, container)
 
     # --- unsolicited updates -------------------------------------------------------------------
 

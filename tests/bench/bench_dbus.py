@@ -1,6 +1,6 @@
 """D-Bus clients for systemd's unit properties, side by side: ours and three libraries.
 
-What the systemd cgroup driver makes the product pay (nri_cpuplugin/hardware/systemd_units.py):
+What the systemd cgroup driver makes the product pay (nri_cpuplugin/hardware/systemd_*.py):
 the OCI hook imports a D-Bus client, connects to the system bus (authentication and Hello) and
 sends one or more ``SetUnitProperties`` calls on every container start; the daemon keeps a
 connection and pipelines one call per shared container when an exclusive one starts.  So the
@@ -22,9 +22,9 @@ The peer is a real ``dbus-daemon`` (Debian's, a private instance with the system
 with a FAKE systemd on it (tests/fake_systemd.py: systemd cannot run as PID 1 here), which
 answers every call; ours is also measured on the FAKE's peer-to-peer socket, the way systemd's
 ``/run/systemd/private`` is reached (no bus in between, no Hello).  Candidates: ours
-(``systemd_units``, sans-I/O ``dbus_wire``), jeepney (pure Python, blocking API), dbus-fast
-(Cython, asyncio only) and sdbus (libsystemd's sd-bus, blocking calls; its pipelining through
-its asyncio API).
+(``systemd_client`` on the sans-I/O ``systemd_conversation`` and ``dbus_*``), jeepney (pure
+Python, blocking API), dbus-fast (Cython, asyncio only) and sdbus (libsystemd's sd-bus,
+blocking calls; its pipelining through its asyncio API).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from typing import Any
 from fake_systemd import MANAGER, PATH, SERVICE, FakeSystemd, PrivateBus
 
 from nri_cpuplugin.hardware import systemd_units
+from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
+from nri_cpuplugin.hardware.systemd_client import SystemdClient
 
 from .stats import percentile, summary
 
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SITE = next(p for p in sys.path if p.endswith("site-packages"))
 # What each candidate's user imports to make the call (dbus-fast has no blocking API: asyncio).
 IMPORTS = {
-    "ours": "import nri_cpuplugin.hardware.systemd_units",
+    "ours": "import nri_cpuplugin.hardware.systemd_client",  # what the OCI hook imports
     "jeepney": "import jeepney, jeepney.io.blocking",
     "dbus-fast": "import dbus_fast.aio",
     "sdbus": "import sdbus",
@@ -138,20 +140,20 @@ def _mask(ids: tuple[int, ...]) -> bytes:
 class _Ours:
     def __init__(self, path: str, hello: bool) -> None:
         self.path, self.hello = path, hello
-        self.client: systemd_units.SystemdClient | None = None
+        self.client: SystemdClient | None = None
 
     def fresh(self) -> None:
-        with systemd_units.SystemdClient(self.path, hello=self.hello) as client:
+        with SystemdClient(self.path, hello=self.hello) as client:
             _check(client.set_allowed([(UNIT, CPUS, MEMS)], 5.0))
 
     def connect(self) -> None:
-        with systemd_units.SystemdClient(self.path, hello=self.hello) as client:
+        with SystemdClient(self.path, hello=self.hello) as client:
             error = client.connect(5.0)
             if error is not None:
                 raise error
 
     def open(self) -> None:
-        self.client = systemd_units.SystemdClient(self.path, hello=self.hello)
+        self.client = SystemdClient(self.path, hello=self.hello)
 
     def call(self) -> None:
         _check(self.client.set_allowed([(UNIT, CPUS, MEMS)], 5.0))
@@ -167,10 +169,10 @@ class _Ours:
 class _OursAsync:
     def __init__(self, path: str, loop: asyncio.AbstractEventLoop) -> None:
         self.path, self.loop = path, loop
-        self.client: systemd_units.AsyncSystemdClient | None = None
+        self.client: AsyncSystemdClient | None = None
 
     def open(self) -> None:
-        self.client = systemd_units.AsyncSystemdClient(self.path)
+        self.client = AsyncSystemdClient(self.path)
 
     def call(self) -> None:
         _check(self.loop.run_until_complete(self.client.set_allowed([(UNIT, CPUS, MEMS)], 5.0)))

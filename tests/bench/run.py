@@ -753,7 +753,7 @@ def section_dbus(quick: bool) -> list[str]:
     report = bench_dbus_clients(60 if quick else 400, 20 if quick else 100)
     imports = report["imports"]
     labels = {
-        "ours": "ours (`systemd_units`, `dbus_wire`)",
+        "ours": "ours (`systemd_client`, `dbus_wire`)",
         "jeepney": "jeepney (blocking)",
         "dbus-fast": "dbus-fast (asyncio)",
         "sdbus": "sdbus (libsystemd)",
@@ -763,7 +763,7 @@ def section_dbus(quick: bool) -> list[str]:
         "",
         "Setting a systemd scope's `AllowedCPUs`/`AllowedMemoryNodes` (`SetUnitProperties`, the "
         "systemd cgroup driver: docs/cgroups-and-hooks.md §21) with our own client "
-        "(nri_cpuplugin/hardware/systemd_units.py) and three libraries, side by side in one "
+        "(nri_cpuplugin/hardware/systemd_*.py) and three libraries, side by side in one "
         "run, samples interleaved round by round (tests/bench/bench_dbus.py). The peer is a "
         "private Debian dbus-daemon with the system bus's reply limit and a FAKE systemd "
         "(tests/fake_systemd.py, jeepney; systemd cannot be PID 1 here) that answers every "

@@ -23,6 +23,8 @@ from fake_systemd import DENY_SET_UNIT_PROPERTIES, FakeSystemd, PrivateBus
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.hardware import systemd_units as su
+from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
+from nri_cpuplugin.hardware.systemd_client import SystemdClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +50,7 @@ def test_calls_arrive_with_the_unit_names_and_bitmasks(bus: PrivateBus, fake: Fa
         (su.unit_name(paths[0]), CPUSet.parse("0,2-3,9"), CPUSet.parse("0")),
         (su.unit_name(paths[1]), CPUSet.parse("1-63"), None),
     ]
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         results = client.set_allowed(changes, 10)
     assert [r.outcome for r in results] == [su.SET, su.SET]
     calls = fake.wait_calls(2)
@@ -68,7 +70,7 @@ def test_hundreds_of_pipelined_calls_stay_under_the_bus_reply_limit(
     # dbus-daemon allows 128 pending calls per connection here, as on the system bus: 300 at
     # once would get LimitsExceeded without the client's window
     changes = [(f"crio-{i:04d}.scope", {i % 2}, {0}) for i in range(300)]
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         results = client.set_allowed(changes, 30)
         assert {r.outcome for r in results} == {su.SET}, [r for r in results if not r.ok][:3]
         calls = fake.wait_calls(300)
@@ -86,7 +88,7 @@ def test_answers_are_per_unit(bus: PrivateBus, fake: FakeSystemd) -> None:
         ("../etc.scope", {1}, None),  # never put on the bus
         ("crio-e.scope", {1}, None),
     ]
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         results = client.set_allowed(changes, 10)
     assert [r.outcome for r in results] == [
         su.SET,
@@ -104,7 +106,7 @@ def test_answers_are_per_unit(bus: PrivateBus, fake: FakeSystemd) -> None:
 
 def test_the_bus_policy_refusing_us_is_a_clear_error() -> None:
     with PrivateBus(DENY_SET_UNIT_PROPERTIES) as bus, FakeSystemd(bus) as fake:
-        with su.SystemdClient(bus.socket) as client:
+        with SystemdClient(bus.socket) as client:
             [result] = client.set_allowed([("crio-a.scope", {1}, None)], 10)
         assert result.outcome == su.DENIED
         message = str(result.error)
@@ -114,14 +116,14 @@ def test_the_bus_policy_refusing_us_is_a_clear_error() -> None:
 
 
 def test_no_systemd_on_the_bus(bus: PrivateBus) -> None:
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         [result] = client.set_allowed([("crio-a.scope", {1}, None)], 10)
     assert result.outcome == su.UNREACHABLE
     assert "not the init system" in str(result.error)
 
 
 def test_a_hung_systemd_times_out_within_the_deadline(bus: PrivateBus, fake: FakeSystemd) -> None:
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         assert client.set_allowed([("crio-warm.scope", {1}, None)], 10)[0].outcome == su.SET
         fake.stall()
         try:
@@ -143,7 +145,7 @@ def test_a_hung_systemd_times_out_within_the_deadline(bus: PrivateBus, fake: Fak
 
 def test_the_asyncio_client(bus: PrivateBus, fake: FakeSystemd) -> None:
     async def main() -> None:
-        client = su.AsyncSystemdClient(bus.socket)
+        client = AsyncSystemdClient(bus.socket)
         first, second = await asyncio.gather(
             client.set_allowed([(f"crio-a{i}.scope", {1}, {0}) for i in range(100)], 30),
             client.set_allowed([(f"crio-b{i}.scope", {2, 3}, None) for i in range(100)], 30),
@@ -170,7 +172,7 @@ def test_the_asyncio_client(bus: PrivateBus, fake: FakeSystemd) -> None:
 
 def test_systemds_private_socket_peer_to_peer(bus: PrivateBus, fake: FakeSystemd) -> None:
     path = os.path.join(bus.dir.name, "private")
-    with su.SystemdClient(path, hello=False) as client:
+    with SystemdClient(path, hello=False) as client:
         results = client.set_allowed([(f"crio-{i}.scope", {i}, None) for i in range(100)], 10)
     assert {r.outcome for r in results} == {su.SET}
     assert len(fake.wait_calls(100)) == 100
@@ -180,8 +182,8 @@ HOOK_LIKE = """
 import sys
 sys.path.append({root!r})
 before = set(sys.modules)
-from nri_cpuplugin.hardware import systemd_units as su
-with su.SystemdClient({socket!r}) as client:
+from nri_cpuplugin.hardware.systemd_client import SystemdClient
+with SystemdClient({socket!r}) as client:
     [result] = client.set_allowed([("crio-hook.scope", {{1}}, {{0}})], 10)
 loaded = sorted(m for m in {absent!r} if m in sys.modules and m not in before)
 print(result.outcome, "loaded:" + ",".join(loaded))
@@ -215,7 +217,7 @@ def test_the_hooks_client_loads_nothing_the_hook_may_not(
 
 
 def test_connecting_ahead_waits_for_hello(bus: PrivateBus, fake: FakeSystemd) -> None:
-    with su.SystemdClient(bus.socket) as client:
+    with SystemdClient(bus.socket) as client:
         assert client.connect(10) is None
         assert client.conversation.name.startswith(":")  # the bus's answer to Hello
         assert client.set_allowed([("crio-a.scope", {1}, None)], 10)[0].outcome == su.SET

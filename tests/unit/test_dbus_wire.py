@@ -1,4 +1,5 @@
-"""The D-Bus wire format (nri_cpuplugin/hardware/dbus_wire.py) against the specification.
+"""The D-Bus wire format (nri_cpuplugin/hardware/dbus_wire.py, dbus_unmarshal.py, dbus_auth.py)
+against the specification.
 
 Expected bytes are written out by hand from the specification's rules ("Message Format",
 "Marshaling (Wire Format)"): little-endian, every value aligned to its size counted from the
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 from jeepney.low_level import Parser as JeepneyParser
 
 from nri_cpuplugin.hardware import dbus_wire as wire
+from nri_cpuplugin.hardware.dbus_auth import auth_external, auth_reply
+from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
 from nri_cpuplugin.hardware.dbus_wire import DBusWireError, Variant
 
 
@@ -112,7 +115,7 @@ def test_big_endian_messages_are_read() -> None:
     fields = b"\x05\x01u\0" + be(7) + b"\x08\x01g\0\x01u\0"  # REPLY_SERIAL 7; SIGNATURE "u"
     data = b"B\x02\x00\x01" + be(4) + be(5) + be(len(fields)) + fields + b"\0" + be(42)
     assert len(data) % 8 == 4 and (len(data) - 4) % 8 == 0
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(data)
     [message] = reader.messages()
     assert (message.type, message.serial, message.reply_serial, message.body) == (
@@ -164,7 +167,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, tuple]:
 def test_messages_round_trip_and_jeepney_reads_them(body: tuple[str, tuple], serial: int) -> None:
     signature, values = body
     data = wire.method_call(serial, "org.x", "/a/b_c", "org.x.I", "Member", signature, values)
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(data)
     [message] = reader.messages()
     assert message.serial == serial and message.signature == signature
@@ -200,7 +203,7 @@ def _from_jeepney(value: object) -> object:
 
 def test_replies_and_errors_round_trip() -> None:
     call_bytes = wire.method_call(3, "d.e", "/p", "i.f", "M")
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(call_bytes)
     [call] = reader.messages()
     reader.feed(wire.method_return(9, call, "s", (":1.4",)) + wire.error(10, call, "a.B", "no"))
@@ -219,7 +222,7 @@ def test_a_stream_split_anywhere_gives_the_same_messages() -> None:
         wire.method_call(n, "d.e", "/p", "i.f", "M", "su", ("x" * n, n)) for n in (1, 2, 3)
     )
     for cut in range(len(data) + 1):
-        reader = wire.MessageReader()
+        reader = MessageReader()
         reader.feed(data[:cut])
         first = reader.messages()
         reader.feed(data[cut:])
@@ -231,7 +234,7 @@ def test_unknown_header_fields_are_ignored() -> None:
     # rewrite DESTINATION (code 6, a string) as code 77: unknown, so skipped
     at = data.index(b"\x06\x01s\0")
     data[at] = 77
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(bytes(data))
     [message] = reader.messages()
     assert message.destination is None and message.member == "M"
@@ -248,22 +251,22 @@ def test_serials_are_nonzero_and_wrap() -> None:
 
 
 def test_auth_external_sends_the_uid_as_hex_digits_and_begins() -> None:
-    assert wire.auth_external(0) == b"\0AUTH EXTERNAL 30\r\nBEGIN\r\n"
-    assert wire.auth_external(1000) == b"\0AUTH EXTERNAL 31303030\r\nBEGIN\r\n"
+    assert auth_external(0) == b"\0AUTH EXTERNAL 30\r\nBEGIN\r\n"
+    assert auth_external(1000) == b"\0AUTH EXTERNAL 31303030\r\nBEGIN\r\n"
 
 
 def test_auth_reply() -> None:
-    assert wire.auth_reply(b"OK 1234de") is None  # not a whole line yet
+    assert auth_reply(b"OK 1234de") is None  # not a whole line yet
     guid = "0123456789abcdef0123456789abcdef"
-    assert wire.auth_reply(f"OK {guid}\r\nl\x02".encode()) == (guid, 37)
+    assert auth_reply(f"OK {guid}\r\nl\x02".encode()) == (guid, 37)
     with pytest.raises(DBusWireError, match=r"refused EXTERNAL.*ANONYMOUS"):
-        wire.auth_reply(b"REJECTED ANONYMOUS\r\n")
+        auth_reply(b"REJECTED ANONYMOUS\r\n")
     with pytest.raises(DBusWireError, match="unexpected authentication answer"):
-        wire.auth_reply(b"DATA 00\r\n")
+        auth_reply(b"DATA 00\r\n")
     with pytest.raises(DBusWireError, match="unexpected"):
-        wire.auth_reply(b"OK not-hex\r\n")
+        auth_reply(b"OK not-hex\r\n")
     with pytest.raises(DBusWireError, match="longer than 512"):
-        wire.auth_reply(b"O" * 600)
+        auth_reply(b"O" * 600)
 
 
 # --- malformed input --------------------------------------------------------------------------
@@ -275,7 +278,7 @@ GOOD = wire.method_call(
 
 
 def _read(data: bytes, limit: int = wire.MAX_MESSAGE) -> list:
-    reader = wire.MessageReader(limit)
+    reader = MessageReader(limit)
     reader.feed(data)
     return reader.messages()
 

@@ -1,5 +1,6 @@
-"""Sizes of product code: no function over 60 lines or over cyclomatic complexity 15 (radon's
-measure), so that each reads as one step of something larger (issue 31)."""
+"""Sizes of product code: no module over 600 lines, no function over 60 lines or over cyclomatic
+complexity 15 (radon's measure), so that each module holds one idea and each function reads as
+one step of something larger (issue 31)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from radon.complexity import cc_visit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nri_cpuplugin"
+MAX_MODULE_LINES = 600
 MAX_LINES = 60
 MAX_COMPLEXITY = 15
 
@@ -32,6 +34,15 @@ def functions(blocks: list) -> list:
         else:
             found += [block, *functions(block.closures)]
     return found
+
+
+def test_no_module_is_longer_than_600_lines() -> None:
+    long = []
+    for path in product_modules():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(PACKAGE)}: {lines}")
+    assert long == []
 
 
 def test_no_function_is_longer_than_60_lines() -> None:

@@ -26,6 +26,11 @@ from jeepney.low_level import Parser as JeepneyParser
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.hardware import dbus_wire as wire
 from nri_cpuplugin.hardware import systemd_units as su
+from nri_cpuplugin.hardware.dbus_auth import auth_external
+from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
+from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
+from nri_cpuplugin.hardware.systemd_client import SystemdClient
+from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
 from nri_cpuplugin.hardware.systemd_units import SystemdError
 
 # --- unit names -------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ OK_LINE = b"OK 0123456789abcdef0123456789abcdef\r\n"
 
 
 def _calls(data: bytes) -> list[wire.Message]:
-    reader = wire.MessageReader()
+    reader = MessageReader()
     reader.feed(data)
     return reader.messages()
 
@@ -181,11 +186,11 @@ def _reply(call: wire.Message, serial: int, error: str | None = None, text: str 
     return wire.method_return(serial, call)
 
 
-def _greeted(hello: bool = True) -> tuple[su.Conversation, list[wire.Message]]:
-    conversation = su.Conversation(hello=hello, uid=0)
+def _greeted(hello: bool = True) -> tuple[Conversation, list[wire.Message]]:
+    conversation = Conversation(hello=hello, uid=0)
     greeting = conversation.greeting()
-    assert greeting.startswith(wire.auth_external(0))
-    return conversation, _calls(greeting[len(wire.auth_external(0)) :])
+    assert greeting.startswith(auth_external(0))
+    return conversation, _calls(greeting[len(auth_external(0)) :])
 
 
 def test_the_greeting_pipelines_auth_and_hello() -> None:
@@ -201,7 +206,7 @@ def test_calls_leave_at_most_a_window_at_a_time_and_answers_match_by_serial() ->
     conversation, [hello] = _greeted()
     batch = conversation.submit([(f"crio-{i}.scope", {i % 3}, {0}) for i in range(150)])
     first = _calls(conversation.outgoing())
-    assert len(first) == su.WINDOW - 1  # Hello is in flight too
+    assert len(first) == WINDOW - 1  # Hello is in flight too
     assert conversation.outgoing() == b""  # nothing more until answers come
     # answers in reverse order, and the bus's NameAcquired signal in between
     replies = b"".join(_reply(call, 100 + i) for i, call in enumerate(reversed(first)))
@@ -209,11 +214,11 @@ def test_calls_leave_at_most_a_window_at_a_time_and_answers_match_by_serial() ->
         wire.SIGNAL, 99, {wire.PATH: "/a", wire.INTERFACE: "a.b", wire.MEMBER: "N"}
     )
     conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)) + signal + replies)
-    assert len(batch.results) == su.WINDOW - 1
+    assert len(batch.results) == WINDOW - 1
     sent = first
     while not batch.done:
         more = _calls(conversation.outgoing())
-        assert 0 < len(more) <= su.WINDOW
+        assert 0 < len(more) <= WINDOW
         sent += more
         conversation.feed(b"".join(_reply(call, 500 + call.serial) for call in more))
     assert [call.body[0] for call in sent] == [f"crio-{i}.scope" for i in range(150)]
@@ -262,7 +267,7 @@ def test_error_answers_are_classified(
     batch = conversation.submit([("x.scope", {1}, None)])
     [call] = _calls(conversation.outgoing())
     conversation.feed(OK_LINE + _reply(call, 5, error, text))
-    [result] = su._order(batch, [("x.scope",)])
+    [result] = in_order(batch, [("x.scope",)])
     assert (result.outcome, result.error.code) == (outcome, code)
     assert says in str(result.error) and "x.scope" in str(result.error)
     assert result.ok == (outcome == su.GONE)
@@ -275,7 +280,7 @@ def test_units_that_cannot_be_sent_fail_alone() -> None:
     [call] = _calls(conversation.outgoing())
     assert call.body[0] == "ok.scope"
     conversation.feed(OK_LINE + _reply(call, 2))
-    assert [r.outcome for r in su._order(batch, changes)] == [su.SET, su.FAILED, su.FAILED]
+    assert [r.outcome for r in in_order(batch, changes)] == [su.SET, su.FAILED, su.FAILED]
 
 
 @pytest.mark.parametrize(
@@ -311,7 +316,7 @@ def test_a_refused_hello_is_unreachable() -> None:
 def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped() -> None:
     conversation, _ = _greeted(hello=False)
     conversation.feed(OK_LINE)
-    slow = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(su.WINDOW)])
+    slow = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(WINDOW)])
     late_calls = _calls(conversation.outgoing())
     conversation.abandon(slow, su.TIMEOUT, SystemdError("late", "timeout"))
     assert {r.outcome for r in slow.results.values()} == {su.TIMEOUT}
@@ -376,7 +381,7 @@ def _systemd(
     conn: socket.socket, answer: Callable[[wire.Message, int], bytes] | None = None
 ) -> None:
     """A well-behaved peer-to-peer systemd: OK, then an answer per call."""
-    reader = wire.MessageReader()
+    reader = MessageReader()
     data = b""
     while b"BEGIN\r\n" not in data:
         data += conn.recv(4096)
@@ -400,7 +405,7 @@ def _silent(conn: socket.socket) -> None:
 
 def test_the_blocking_client_pipelines_and_matches(peer) -> None:
     p = peer(_systemd)
-    with su.SystemdClient(p.path, hello=False) as client:
+    with SystemdClient(p.path, hello=False) as client:
         changes = [(f"crio-{i}.scope", {i % 2}, {0}) for i in range(200)]
         results = client.set_allowed(changes, 10)
         assert [r.unit for r in results] == [c[0] for c in changes]
@@ -438,7 +443,7 @@ def test_the_blocking_client_pipelines_and_matches(peer) -> None:
 )
 def test_the_blocking_client_never_waits_past_its_deadline(peer, script, outcome, says) -> None:
     p = peer(script)
-    with su.SystemdClient(p.path, hello=False) as client:
+    with SystemdClient(p.path, hello=False) as client:
         started = time.monotonic()
         [result] = client.set_allowed([("a.scope", {1}, None)], 0.5)
         elapsed = time.monotonic() - started
@@ -448,11 +453,11 @@ def test_the_blocking_client_never_waits_past_its_deadline(peer, script, outcome
 
 def test_the_blocking_client_says_why_it_cannot_connect(tmp_path) -> None:
     missing = str(tmp_path / "none")
-    [result] = su.SystemdClient(missing).set_allowed([("a.scope", {1}, None)], 1)
+    [result] = SystemdClient(missing).set_allowed([("a.scope", {1}, None)], 1)
     assert result.outcome == su.UNREACHABLE and "no socket at" in str(result.error)
     plain = tmp_path / "file"
     plain.write_text("")
-    [result] = su.SystemdClient(str(plain)).set_allowed([("a.scope", {1}, None)], 1)
+    [result] = SystemdClient(str(plain)).set_allowed([("a.scope", {1}, None)], 1)
     assert result.outcome == su.UNREACHABLE and "cannot reach systemd" in str(result.error)
 
 
@@ -461,19 +466,19 @@ def test_the_async_client(peer) -> None:
     silent = peer(_silent)
 
     async def main() -> None:
-        client = su.AsyncSystemdClient(p.path, hello=False)
+        client = AsyncSystemdClient(p.path, hello=False)
         both = await asyncio.gather(
             client.set_allowed([(f"a{i}.scope", {1}, None) for i in range(100)], 10),
             client.set_allowed([(f"b{i}.scope", {2}, {0}) for i in range(100)], 10),
         )
         assert {r.outcome for results in both for r in results} == {su.SET}
         client.close()
-        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        hung = AsyncSystemdClient(silent.path, hello=False)
         started = time.monotonic()
         [result] = await hung.set_allowed([("a.scope", {1}, None)], 0.3)
         assert result.outcome == su.TIMEOUT and time.monotonic() - started < 2.3
         hung.close()
-        gone = su.AsyncSystemdClient(p.path + ".missing")
+        gone = AsyncSystemdClient(p.path + ".missing")
         [result] = await gone.set_allowed([("a.scope", {1}, None)], 1)
         assert result.outcome == su.UNREACHABLE and "no socket at" in str(result.error)
 
@@ -489,7 +494,7 @@ def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
             answered.append(call.body[0])
             return wire.method_return(serial, call)
 
-        reader = wire.MessageReader()
+        reader = MessageReader()
         data = b""
         while b"BEGIN\r\n" not in data:
             data += conn.recv(4096)
@@ -502,7 +507,7 @@ def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
     p = peer(once)
 
     async def main() -> None:
-        client = su.AsyncSystemdClient(p.path, hello=False)
+        client = AsyncSystemdClient(p.path, hello=False)
         assert (await client.set_allowed([("a.scope", {1}, None)], 5))[0].outcome == su.SET
         for _ in range(100):  # until the hang-up is seen
             if client.conversation.closed:
@@ -517,7 +522,7 @@ def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
 
 def test_closing_a_client_drops_its_connection(peer) -> None:
     p = peer(_systemd)
-    client = su.SystemdClient(p.path, hello=False)
+    client = SystemdClient(p.path, hello=False)
     assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
     client.close()
     assert client.set_allowed([("b.scope", {1}, None)], 5)[0].outcome == su.SET  # reconnected
@@ -525,7 +530,7 @@ def test_closing_a_client_drops_its_connection(peer) -> None:
     silent = peer(_silent)
 
     async def main() -> None:
-        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        hung = AsyncSystemdClient(silent.path, hello=False)
         waiting = asyncio.ensure_future(hung.set_allowed([("a.scope", {1}, None)], 30))
         while not hung.waiting:  # until the call is out
             await asyncio.sleep(0.01)
@@ -539,21 +544,21 @@ def test_closing_a_client_drops_its_connection(peer) -> None:
 def test_connecting_ahead_of_the_calls(peer) -> None:
     p = peer(_systemd)
     silent = peer(_silent)
-    with su.SystemdClient(p.path, hello=False) as client:
+    with SystemdClient(p.path, hello=False) as client:
         assert client.connect(5) is None and client.conversation.ready
         assert client.set_allowed([("a.scope", {1}, None)], 5)[0].outcome == su.SET
-    with su.SystemdClient(silent.path, hello=False) as client:
+    with SystemdClient(silent.path, hello=False) as client:
         error = client.connect(0.3)
         assert error.code == "timeout" and "handshake" in str(error)
-    error = su.SystemdClient(p.path + ".missing").connect(1)
+    error = SystemdClient(p.path + ".missing").connect(1)
     assert error.code == "unreachable" and "no socket at" in str(error)
 
     async def main() -> None:
-        client = su.AsyncSystemdClient(p.path, hello=False)
+        client = AsyncSystemdClient(p.path, hello=False)
         assert await client.connect(5) is None and client.conversation.ready
         assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
         client.close()
-        hung = su.AsyncSystemdClient(silent.path, hello=False)
+        hung = AsyncSystemdClient(silent.path, hello=False)
         error = await hung.connect(0.3)
         assert error.code == "timeout"
         hung.close()
