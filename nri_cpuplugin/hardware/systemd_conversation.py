@@ -4,8 +4,8 @@ calls of many units pipelined, and each answer turned into that unit's result.
 Many units are changed at once (every shared container when an exclusive one starts), so the
 calls are pipelined on one connection, at most ``WINDOW`` unanswered at a time, and their
 answers collected within one deadline; each unit gets its own ``UnitResult``.  Bytes go in and
-out and results land in batches: the clients (systemd_client.py, systemd_async.py) only move
-the bytes and keep the deadline.
+out and results land in batches: the client (systemd_client.py) only moves the
+bytes and keeps the deadline.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .systemd_units import (
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import Iterable, Sequence
 
 # Calls in flight per connection: dbus-daemon refuses a connection's pending method calls past
@@ -43,13 +42,12 @@ class Batch:
     """One ``set_allowed`` request: its calls (built, not yet sent), and a result per unit as
     the answers come.  ``done`` once every unit has one."""
 
-    __slots__ = ("calls", "results", "waiting", "waker")
+    __slots__ = ("calls", "results", "waiting")
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, bytes, bytes | None]] = []  # (unit, masks) not yet sent
         self.waiting: dict[int, str] = {}  # serial -> unit, sent and unanswered
         self.results: dict[str, UnitResult] = {}
-        self.waker: asyncio.Future[None] | None = None  # the async client's future
 
     @property
     def done(self) -> bool:

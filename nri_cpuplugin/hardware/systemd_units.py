@@ -15,9 +15,8 @@ Unit names come from the runtime (a container's cgroupsPath) and are checked aga
 unit name rules before they go on the bus.  Each unit's call ends in a ``UnitResult``: set, or
 why not and what to do.
 
-The calls are made on one pipelined connection (systemd_conversation.py, sans I/O) by a
-blocking client (systemd_client.py: the OCI hook, the daemon's worker thread) or an asyncio one
-(systemd_async.py).
+The calls are made on one pipelined connection (systemd_conversation.py, sans I/O) by the
+blocking client (systemd_client.py: the OCI hook, the daemon's worker thread).
 """
 
 from __future__ import annotations

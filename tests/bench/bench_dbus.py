@@ -41,7 +41,6 @@ from typing import Any
 from fake_systemd import MANAGER, PATH, SERVICE, FakeSystemd, PrivateBus
 
 from nri_cpuplugin.hardware import systemd_units
-from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
 from nri_cpuplugin.hardware.systemd_client import SystemdClient
 
 from .stats import percentile, summary
@@ -161,25 +160,6 @@ class _Ours:
     def pipelined(self) -> None:
         changes = [(f"crio-{i:064x}.scope", CPUS, MEMS) for i in range(PIPELINED)]
         _check(self.client.set_allowed(changes, 10.0))
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class _OursAsync:
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.path, self.loop = path, loop
-        self.client: AsyncSystemdClient | None = None
-
-    def open(self) -> None:
-        self.client = AsyncSystemdClient(self.path)
-
-    def call(self) -> None:
-        _check(self.loop.run_until_complete(self.client.set_allowed([(UNIT, CPUS, MEMS)], 5.0)))
-
-    def pipelined(self) -> None:
-        changes = [(f"crio-{i:064x}.scope", CPUS, MEMS) for i in range(PIPELINED)]
-        _check(self.loop.run_until_complete(self.client.set_allowed(changes, 10.0)))
 
     def close(self) -> None:
         self.client.close()
@@ -409,7 +389,6 @@ def bench_dbus_clients(rounds: int = 200, import_rounds: int = 40) -> dict[str, 
                 clients = {
                     "ours": _Ours(bus.socket, hello=True),
                     "ours, peer to peer": _Ours(private, hello=False),
-                    "ours, asyncio": _OursAsync(bus.socket, loop),
                     "jeepney": _Jeepney(bus.address),
                     "dbus-fast": _DBusFast(bus.address, loop),
                     "sdbus": _SdBus(bus.address, loop),

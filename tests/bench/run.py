@@ -813,7 +813,6 @@ def section_dbus(quick: bool) -> list[str]:
     sides = {
         "ours": labels["ours"],
         "ours, peer to peer": "ours, peer to peer",
-        "ours, asyncio": "ours, asyncio (`AsyncSystemdClient`)",
         "jeepney": labels["jeepney"],
         "dbus-fast": labels["dbus-fast"],
         "sdbus": labels["sdbus"] + " (pipelined: its asyncio API)",

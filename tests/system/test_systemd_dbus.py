@@ -10,7 +10,6 @@ Every wait is on a condition; timeouts are failure bounds.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -23,7 +22,6 @@ from fake_systemd import DENY_SET_UNIT_PROPERTIES, FakeSystemd, PrivateBus
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.hardware import systemd_units as su
-from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
 from nri_cpuplugin.hardware.systemd_client import SystemdClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,33 +139,6 @@ def test_a_hung_systemd_times_out_within_the_deadline(bus: PrivateBus, fake: Fak
             f"crio-{i}.scope" for i in range(10)
         ]
         assert client.set_allowed([("crio-after.scope", {2}, None)], 10)[0].outcome == su.SET
-
-
-def test_the_asyncio_client(bus: PrivateBus, fake: FakeSystemd) -> None:
-    async def main() -> None:
-        client = AsyncSystemdClient(bus.socket)
-        first, second = await asyncio.gather(
-            client.set_allowed([(f"crio-a{i}.scope", {1}, {0}) for i in range(100)], 30),
-            client.set_allowed([(f"crio-b{i}.scope", {2, 3}, None) for i in range(100)], 30),
-        )
-        assert {r.outcome for r in first + second} == {su.SET}
-        fake.stall()
-        try:
-            started = time.monotonic()
-            [late] = await client.set_allowed([("crio-late.scope", {1}, None)], 0.3)
-            assert late.outcome == su.TIMEOUT and time.monotonic() - started < 2.3
-        finally:
-            fake.resume()
-        [after] = await client.set_allowed([("crio-after.scope", {1}, None)], 10)
-        assert after.outcome == su.SET
-        client.close()
-
-    asyncio.run(main())
-    units = [c["unit"] for c in fake.wait_calls(202)]
-    assert units[-2:] == ["crio-late.scope", "crio-after.scope"]  # one connection: in order
-    assert sorted(units[:200]) == sorted(
-        [f"crio-a{i}.scope" for i in range(100)] + [f"crio-b{i}.scope" for i in range(100)]
-    )
 
 
 def test_systemds_private_socket_peer_to_peer(bus: PrivateBus, fake: FakeSystemd) -> None:

@@ -9,7 +9,6 @@ dbus-daemon.)
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import socket
@@ -28,7 +27,6 @@ from nri_cpuplugin.hardware import dbus_wire as wire
 from nri_cpuplugin.hardware import systemd_units as su
 from nri_cpuplugin.hardware.dbus_auth import auth_external
 from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
-from nri_cpuplugin.hardware.systemd_async import AsyncSystemdClient
 from nri_cpuplugin.hardware.systemd_client import SystemdClient
 from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
 from nri_cpuplugin.hardware.systemd_units import SystemdError
@@ -461,65 +459,6 @@ def test_the_blocking_client_says_why_it_cannot_connect(tmp_path) -> None:
     assert result.outcome == su.UNREACHABLE and "cannot reach systemd" in str(result.error)
 
 
-def test_the_async_client(peer) -> None:
-    p = peer(_systemd)
-    silent = peer(_silent)
-
-    async def main() -> None:
-        client = AsyncSystemdClient(p.path, hello=False)
-        both = await asyncio.gather(
-            client.set_allowed([(f"a{i}.scope", {1}, None) for i in range(100)], 10),
-            client.set_allowed([(f"b{i}.scope", {2}, {0}) for i in range(100)], 10),
-        )
-        assert {r.outcome for results in both for r in results} == {su.SET}
-        client.close()
-        hung = AsyncSystemdClient(silent.path, hello=False)
-        started = time.monotonic()
-        [result] = await hung.set_allowed([("a.scope", {1}, None)], 0.3)
-        assert result.outcome == su.TIMEOUT and time.monotonic() - started < 2.3
-        hung.close()
-        gone = AsyncSystemdClient(p.path + ".missing")
-        [result] = await gone.set_allowed([("a.scope", {1}, None)], 1)
-        assert result.outcome == su.UNREACHABLE and "no socket at" in str(result.error)
-
-    asyncio.run(main())
-
-
-def test_the_async_client_reconnects_after_the_peer_hangs_up(peer) -> None:
-    answered = []
-
-    def once(conn: socket.socket) -> None:
-        # answers the first call, then hangs up
-        def answer(call: wire.Message, serial: int) -> bytes:
-            answered.append(call.body[0])
-            return wire.method_return(serial, call)
-
-        reader = MessageReader()
-        data = b""
-        while b"BEGIN\r\n" not in data:
-            data += conn.recv(4096)
-        conn.sendall(OK_LINE)
-        reader.feed(data.split(b"BEGIN\r\n", 1)[1])
-        while not (calls := reader.messages()):
-            reader.feed(conn.recv(65536))
-        conn.sendall(answer(calls[0], 7))
-
-    p = peer(once)
-
-    async def main() -> None:
-        client = AsyncSystemdClient(p.path, hello=False)
-        assert (await client.set_allowed([("a.scope", {1}, None)], 5))[0].outcome == su.SET
-        for _ in range(100):  # until the hang-up is seen
-            if client.conversation.closed:
-                break
-            await asyncio.sleep(0.01)
-        assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
-        client.close()
-
-    asyncio.run(main())
-    assert answered == ["a.scope", "b.scope"]
-
-
 def test_closing_a_client_drops_its_connection(peer) -> None:
     p = peer(_systemd)
     client = SystemdClient(p.path, hello=False)
@@ -527,18 +466,6 @@ def test_closing_a_client_drops_its_connection(peer) -> None:
     client.close()
     assert client.set_allowed([("b.scope", {1}, None)], 5)[0].outcome == su.SET  # reconnected
     client.close()
-    silent = peer(_silent)
-
-    async def main() -> None:
-        hung = AsyncSystemdClient(silent.path, hello=False)
-        waiting = asyncio.ensure_future(hung.set_allowed([("a.scope", {1}, None)], 30))
-        while not hung.waiting:  # until the call is out
-            await asyncio.sleep(0.01)
-        hung.close()
-        [result] = await asyncio.wait_for(waiting, 5)  # answered at once, not after 30 s
-        assert result.outcome == su.UNREACHABLE and "closed" in str(result.error)
-
-    asyncio.run(main())
 
 
 def test_connecting_ahead_of_the_calls(peer) -> None:
@@ -552,15 +479,3 @@ def test_connecting_ahead_of_the_calls(peer) -> None:
         assert error.code == "timeout" and "handshake" in str(error)
     error = SystemdClient(p.path + ".missing").connect(1)
     assert error.code == "unreachable" and "no socket at" in str(error)
-
-    async def main() -> None:
-        client = AsyncSystemdClient(p.path, hello=False)
-        assert await client.connect(5) is None and client.conversation.ready
-        assert (await client.set_allowed([("b.scope", {1}, None)], 5))[0].outcome == su.SET
-        client.close()
-        hung = AsyncSystemdClient(silent.path, hello=False)
-        error = await hung.connect(0.3)
-        assert error.code == "timeout"
-        hung.close()
-
-    asyncio.run(main())
