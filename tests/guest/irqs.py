@@ -17,10 +17,11 @@ from typing import Any
 from harness.cri import ContainerSpec
 from harness.guest_kubelet import SystemdKubelet
 from harness.guest_vm import SCRATCH_DISK_SERIAL
+from harness.host import parse_cpu_list
 from harness.k8s import PodSpec
 
 from guest.pinning import kill_daemon
-from guest.scenarios import FIRST_LINE, _cpu_list, _first_line, _read
+from guest.scenarios import FIRST_LINE, _first_line, _read
 
 ANNOTATION = "irq-free.nri-cpuplugin.io"
 PROC_IRQ = Path("/proc/irq")
@@ -136,7 +137,7 @@ def _pod(cri: SystemdKubelet, name: str, irq_free: bool) -> tuple[Any, set[int]]
     annotations = {ANNOTATION: "true"} if irq_free else {}
     spec = ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)
     pod = cri.run(PodSpec.for_containers(name, [spec], annotations=annotations), [spec])
-    return pod, set(_cpu_list(_first_line(cri, pod["app"])))
+    return pod, set(parse_cpu_list(_first_line(cri, pod["app"])))
 
 
 def _remove(cri: SystemdKubelet, pod: Any) -> None:
@@ -154,7 +155,7 @@ def _settled(keep: set[int], want_free: bool, timeout: float = 30.0) -> dict[str
     while True:
         now = interrupts()
         on = [n for n, irq in now.items()
-              if n not in refused and keep & set(_cpu_list(irq["affinity"]))]  # fmt: skip
+              if n not in refused and keep & set(parse_cpu_list(irq["affinity"]))]  # fmt: skip
         if (not on) == want_free or time.monotonic() > deadline:
             return now
         time.sleep(0.5)
@@ -181,7 +182,7 @@ def irq_scenario(address: str, load_seconds: float = 20.0) -> dict[str, Any]:
                               "effective": i["effective"], "total": sum(i["counts"].values())}
                           for n, i in held.items()}  # fmt: skip
         result["held_default"] = _read(PROC_IRQ / "default_smp_affinity")
-        online = set(_cpu_list(_read(Path("/sys/devices/system/cpu/online"))))
+        online = set(parse_cpu_list(_read(Path("/sys/devices/system/cpu/online"))))
         pool = ",".join(str(c) for c in sorted(online - opted_cpus - other_cpus))
         result["load_cpus"] = pool
         before = interrupts()

@@ -15,9 +15,10 @@ from typing import Any
 
 from harness.cri import ContainerSpec, CRIError
 from harness.guest_kubelet import CGROUP_ROOT, SystemdError, SystemdKubelet, unit_property
+from harness.host import parse_cpu_list
 from harness.k8s import PodSpec
 
-from guest.scenarios import FIRST_LINE, _cpu_list, _first_line, _read, container_facts
+from guest.scenarios import FIRST_LINE, _first_line, _read, container_facts
 
 DAEMON_UNIT = "nri-cpuplugin.service"
 
@@ -96,7 +97,7 @@ def _wait_shared_off(
     first = True
     while True:
         facts = container_facts(cri, cid)
-        if not exclusive & set(_cpu_list(facts["cpus_allowed_list"])):
+        if not exclusive & set(parse_cpu_list(facts["cpus_allowed_list"])):
             return facts, 0.0 if first else round(time.monotonic() - started, 1)
         first = False
         if time.monotonic() - started > timeout:
@@ -130,7 +131,7 @@ def numa_pod_then_stop(address: str, cpus: int = 4) -> dict[str, Any]:
             if line.startswith("Mems_allowed_list:")
         )
         result["pinned"] = facts
-        exclusive = set(_cpu_list(first))
+        exclusive = set(parse_cpu_list(first))
         result["shared_while_pinned"], result["shared_moved_after_s"] = _wait_shared_off(
             cri, shared["app"], exclusive
         )
@@ -146,7 +147,7 @@ def numa_pod_then_stop(address: str, cpus: int = 4) -> dict[str, Any]:
         deadline = time.monotonic() + 30
         while True:
             after = container_facts(cri, shared["app"])
-            if exclusive <= set(_cpu_list(after["cpus_allowed_list"])):
+            if exclusive <= set(parse_cpu_list(after["cpus_allowed_list"])):
                 break
             if time.monotonic() > deadline:
                 break
@@ -185,14 +186,14 @@ def _sample(watch: _Watch, counts: dict[str, Any]) -> None:
     for directory in exclusive_scopes.values():
         effective = _read(directory / "cpuset.cpus.effective")
         if _read(directory / "cgroup.procs").split() and not effective.startswith("<"):
-            exclusive |= set(_cpu_list(effective))
+            exclusive |= set(parse_cpu_list(effective))
     counts["samples"] += 1
     for cid, directory in shared.items():
         effective = _read(directory / "cpuset.cpus.effective")
         if effective.startswith("<"):
             continue  # the scope is gone (the churn removed it)
         counts["scopes_checked"] += 1
-        if exclusive & set(_cpu_list(effective)):
+        if exclusive & set(parse_cpu_list(effective)):
             counts["violations"].append(
                 {
                     "t": round(time.monotonic(), 2),
@@ -203,7 +204,7 @@ def _sample(watch: _Watch, counts: dict[str, Any]) -> None:
             )
         for tid, allowed in tasks_allowed(directory).items():
             counts["tasks_checked"] += 1
-            if exclusive & set(_cpu_list(allowed)):
+            if exclusive & set(parse_cpu_list(allowed)):
                 counts["violations"].append(
                     {
                         "t": round(time.monotonic(), 2),
@@ -400,25 +401,34 @@ def kill_daemon(timeout: float = 300.0) -> dict[str, Any]:
     }
 
 
+def _pinned_beside_shared(
+    cri: SystemdKubelet, prefix: str, result: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, str], set[int]]:
+    """A shared pod, then a 2-CPU Guaranteed one: both pods' containers and the pinned one's
+    CPUs, once the shared one is off them; what each looked like then goes in ``result``."""
+    shared = cri.run(
+        f"{prefix}-shared", [ContainerSpec("app", command=FIRST_LINE, cpu_request_milli=100)]
+    )
+    pinned = cri.run(f"{prefix}-pinned", [ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)])
+    result["pinned_first_line"] = _first_line(cri, pinned["app"])
+    exclusive = set(parse_cpu_list(result["pinned_first_line"]))
+    result["shared_before"], _ = _wait_shared_off(cri, shared["app"], exclusive)
+    result["pinned_before"] = container_facts(cri, pinned["app"])
+    return shared, pinned, exclusive
+
+
 def daemon_killed(address: str) -> dict[str, Any]:
     """A pinned pod and a shared one; kill -9 of the daemon; after its restart: the pins and
     the pool as before, and a new Guaranteed pod still pinned, the shared one off both."""
     result: dict[str, Any] = {}
     with SystemdKubelet(address) as cri:
-        shared = cri.run(
-            "kill-shared", [ContainerSpec("app", command=FIRST_LINE, cpu_request_milli=100)]
-        )
-        pinned = cri.run("kill-pinned", [ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)])
-        result["pinned_first_line"] = _first_line(cri, pinned["app"])
-        exclusive = set(_cpu_list(result["pinned_first_line"]))
-        result["shared_before"], _ = _wait_shared_off(cri, shared["app"], exclusive)
-        result["pinned_before"] = container_facts(cri, pinned["app"])
+        shared, pinned, exclusive = _pinned_beside_shared(cri, "kill", result)
         result["kill"] = kill_daemon()
         result["pinned_after"] = container_facts(cri, pinned["app"])
         result["shared_after"] = container_facts(cri, shared["app"])
         second = cri.run("kill-second", [ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)])
         result["second_first_line"] = _first_line(cri, second["app"])
-        both = exclusive | set(_cpu_list(result["second_first_line"]))
+        both = exclusive | set(parse_cpu_list(result["second_first_line"]))
         result["shared_after_second"], result["shared_moved_after_s"] = _wait_shared_off(
             cri, shared["app"], both
         )
@@ -534,14 +544,7 @@ def restart_and_hotplug(address: str, runtime_unit: str) -> dict[str, Any]:
     shared one are after each step."""
     result: dict[str, Any] = {}
     with SystemdKubelet(address) as cri:
-        shared = cri.run(
-            "rh-shared", [ContainerSpec("app", command=FIRST_LINE, cpu_request_milli=100)]
-        )
-        pinned = cri.run("rh-pinned", [ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)])
-        result["pinned_first_line"] = _first_line(cri, pinned["app"])
-        exclusive = set(_cpu_list(result["pinned_first_line"]))
-        result["shared_before"], _ = _wait_shared_off(cri, shared["app"], exclusive)
-        result["pinned_before"] = container_facts(cri, pinned["app"])
+        shared, pinned, exclusive = _pinned_beside_shared(cri, "rh", result)
         cursor = journal_cursor()
         result["restart"] = _systemctl("restart", runtime_unit)
     # A new connection: the runtime's socket was recreated.
@@ -554,7 +557,7 @@ def restart_and_hotplug(address: str, runtime_unit: str) -> dict[str, Any]:
         result["shared_after_restart"] = container_facts(cri, shared["app"])
         second = cri.run("rh-second", [ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)])
         result["second_first_line"] = _first_line(cri, second["app"])
-        both = exclusive | set(_cpu_list(result["second_first_line"]))
+        both = exclusive | set(parse_cpu_list(result["second_first_line"]))
         result["shared_after_second"], _ = _wait_shared_off(cri, shared["app"], both)
         # Hotplug: the pinned container's highest CPU goes offline, then comes back.
         victim = max(exclusive)
@@ -567,8 +570,8 @@ def restart_and_hotplug(address: str, runtime_unit: str) -> dict[str, Any]:
                 cri,
                 pinned["app"],
                 lambda f: (
-                    victim not in _cpu_list(f["cpus_allowed_list"])
-                    and len(_cpu_list(f["cpuset_cpus_effective"])) == 2
+                    victim not in parse_cpu_list(f["cpus_allowed_list"])
+                    and len(parse_cpu_list(f["cpuset_cpus_effective"])) == 2
                 ),
             )
             time.sleep(2)

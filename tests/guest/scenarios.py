@@ -14,6 +14,7 @@ from typing import Any
 from harness import guest_kubelet
 from harness.cri import ContainerSpec
 from harness.guest_kubelet import CGROUP_ROOT, KUBEPODS, SystemdKubelet, unit_property
+from harness.host import parse_cpu_list
 
 # The container's own first view of its CPUs, before anything could move it: its first log line.
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep infinity"
@@ -139,12 +140,12 @@ def pinned_and_shared(address: str, exclusive_cpus: int = 2) -> dict[str, Any]:
         pinned_facts = container_facts(cri, pinned["app"])
         # The shared container's move is part of the pinned one's creation: it must already
         # be off those CPUs; a few seconds of polling only tells "late" from "never".
-        exclusive = set(_cpu_list(pinned_first))
+        exclusive = set(parse_cpu_list(pinned_first))
         deadline = time.monotonic() + 30
         waited = 0.0
         while True:
             shared_facts = container_facts(cri, shared["app"])
-            overlap = exclusive & set(_cpu_list(shared_facts["cpus_allowed_list"]))
+            overlap = exclusive & set(parse_cpu_list(shared_facts["cpus_allowed_list"]))
             if not overlap or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -158,11 +159,3 @@ def pinned_and_shared(address: str, exclusive_cpus: int = 2) -> dict[str, Any]:
             "pinned_pod_slice": guest_kubelet.pod_slice(pinned.spec),
             "shared_pod_slice": guest_kubelet.pod_slice(shared.spec),
         }
-
-
-def _cpu_list(text: str) -> list[int]:
-    cpus: set[int] = set()
-    for part in filter(None, text.strip().split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return sorted(cpus)

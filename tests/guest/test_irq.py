@@ -12,14 +12,11 @@ import time
 
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
+from harness.host import parse_cpu_list
 
 
 def _cpus(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in filter(None, text.replace(" ", ",").split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
+    return set(parse_cpu_list(text))
 
 
 def _mask_cpus(mask: str) -> set[int]:

@@ -14,6 +14,7 @@ import pytest
 from harness.guest import Guest
 from harness.guest_node import GuestNode
 from harness.guest_runtimes import GuestRuntime
+from harness.host import parse_cpu_list
 
 from guest.conftest import RUNTIMES
 
@@ -84,10 +85,12 @@ def _check_pinned_on_one_core(guest: Guest, runtime: GuestRuntime) -> None:
     assert pinned["cpus_allowed_list"] == first
     assert pinned["cpuset_cpus_effective"] == first
     assert pinned["allowed_cpus"] == first.replace(",", " "), "systemd's view of the scope"
-    exclusive = set(_cpus(first))
-    assert not exclusive & set(_cpus(shared["cpus_allowed_list"])), shared
-    assert not exclusive & set(_cpus(shared["cpuset_cpus_effective"])), shared
-    assert not exclusive & set(_cpus(shared["allowed_cpus"])), "systemd's view of the scope"
+    exclusive = set(parse_cpu_list(first))
+    assert not exclusive & set(parse_cpu_list(shared["cpus_allowed_list"])), shared
+    assert not exclusive & set(parse_cpu_list(shared["cpuset_cpus_effective"])), shared
+    assert not exclusive & set(parse_cpu_list(shared["allowed_cpus"])), (
+        "systemd's view of the scope"
+    )
     assert facts["shared_moved_after_s"] == 0, "moved by the pinned container's creation"
 
 
@@ -115,11 +118,3 @@ def test_guaranteed_pod_is_a_scope_in_its_pod_slice(guest: Guest, on_runtime: Gu
     assert facts["unit_active"] == "active", "the scope is a live systemd unit"
     assert CONTROLLERS in facts["scope_controllers"], facts
     assert facts["cpuset_cpus_effective"] == "0-7", "no daemon: the container has every CPU"
-
-
-def _cpus(text: str) -> list[int]:
-    cpus: set[int] = set()
-    for part in filter(None, text.replace(" ", ",").split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return sorted(cpus)

@@ -111,9 +111,9 @@ def cpus_allowed_list(pid: int) -> str:
 
 
 def parse_cpu_list(text: str) -> list[int]:
-    """Linux list format (``0-2,5``) -> sorted CPU numbers."""
+    """Linux list format (``0-2,5``), or systemd's (``0-2 5``) -> sorted CPU numbers."""
     cpus: set[int] = set()
-    for part in filter(None, text.strip().split(",")):
+    for part in filter(None, text.strip().replace(" ", ",").split(",")):
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return sorted(cpus)
