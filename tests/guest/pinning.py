@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.cri import ContainerSpec, CRIError
+from harness.cri import ContainerSpec, CRIError, RunningPod
 from harness.guest_kubelet import CGROUP_ROOT, SystemdError, SystemdKubelet, unit_property
 from harness.host import parse_cpu_list
 from harness.k8s import PodSpec
@@ -403,7 +403,7 @@ def kill_daemon(timeout: float = 300.0) -> dict[str, Any]:
 
 def _pinned_beside_shared(
     cri: SystemdKubelet, prefix: str, result: dict[str, Any]
-) -> tuple[dict[str, str], dict[str, str], set[int]]:
+) -> tuple[RunningPod, RunningPod, set[int]]:
     """A shared pod, then a 2-CPU Guaranteed one: both pods' containers and the pinned one's
     CPUs, once the shared one is off them; what each looked like then goes in ``result``."""
     shared = cri.run(
