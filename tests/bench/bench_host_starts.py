@@ -106,7 +106,7 @@ def _timed_start(cri: CRIClient, label: str, pinned: bool, log: Path, since: int
     t2 = time.monotonic()
     cri.start(cid)
     t3 = time.monotonic()
-    cpus = shared_window.effective_cpus(shared_window.cpuset_dir(cri.inspect(cid).pid)) or set()
+    cpus = shared_window.exclusive_cpus(shared_window.cpuset_dir(cri.inspect(cid).pid))
     if pinned:
         window = shared_window.measure(shared, cpus, since=t3)
     else:

@@ -66,7 +66,7 @@ def timed_guaranteed_start(
         cri.start(cid)
         t3 = time.monotonic()
         scope = CGROUP_ROOT / slice_path(pod_slice(pod)).lstrip("/") / f"cri-containerd-{cid}.scope"
-        cpus = shared_window.effective_cpus(scope) or set()
+        cpus = shared_window.exclusive_cpus(scope)
         if pinned:
             window = shared_window.measure(shared, cpus, since=t3)
         else:

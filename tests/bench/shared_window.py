@@ -70,6 +70,14 @@ def _tasks_allowed(directory: Path) -> list[set[int]]:
     return allowed
 
 
+def exclusive_cpus(directory: Path) -> set[int]:
+    """The new container's CPUs; a wrong path must fail, not read as "no CPU, no window"."""
+    cpus = effective_cpus(directory)
+    if not cpus:
+        raise LookupError(f"no effective CPUs at {directory}")
+    return cpus
+
+
 def on_cpus(shared: Mapping[str, Path], cpus: set[int]) -> list[str]:
     """The shared containers (name -> cgroup directory) that may run on ``cpus`` now."""
     found = []
