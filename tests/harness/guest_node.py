@@ -20,6 +20,7 @@ from .guest import Guest, GuestError
 from .guest_runtimes import (
     EMULATED_NRI_TIMEOUTS,
     HOOK_PROGRAM,
+    RUNC,
     GuestRuntime,
     NRITimeouts,
     runtimes,
@@ -31,11 +32,13 @@ PACKAGING = debs.REPO / "packaging"
 
 
 class GuestNode:
-    def __init__(self, guest: Guest, nri: NRITimeouts | None = None) -> None:
+    def __init__(self, guest: Guest, nri: NRITimeouts | None = None, runc: str = RUNC) -> None:
+        """``runc``: what containerd runs as runc (default the image's; a benchmark names its
+        counting wrapper, which it writes into the guest itself)."""
         self.guest = guest
         emulated = guest.vm.accel == "tcg"
         self.nri = nri or (EMULATED_NRI_TIMEOUTS if emulated else NRITimeouts())
-        self.runtimes = runtimes(guest.lab, self.nri)
+        self.runtimes = runtimes(guest.lab, self.nri, runc)
         self.current: GuestRuntime | None = None
         self._installed = False
         self._images: set[str] = set()

@@ -90,12 +90,15 @@ def prepare(lab: Path = debs.LAB) -> None:
     cri.stubs(lab)
 
 
-def runtimes(lab: Path = debs.LAB, nri: NRITimeouts | None = None) -> dict[str, GuestRuntime]:
-    """The three runtimes by name, their binaries at the lab paths :func:`prepare` made."""
+def runtimes(
+    lab: Path = debs.LAB, nri: NRITimeouts | None = None, runc: str = RUNC
+) -> dict[str, GuestRuntime]:
+    """The three runtimes by name, their binaries at the lab paths :func:`prepare` made.
+    ``runc``: the program containerd's shims run as runc (a benchmark's counting wrapper)."""
     nri = nri or NRITimeouts()
     made = [
-        _containerd("2.3", "2.3.4", tarballs.unpack(CONTAINERD_23, lab) / "bin", lab, nri),
-        _containerd("1.7", "1.7.24", debs.unpack(CONTAINERD_17, lab) / "usr/bin", lab, nri),
+        _containerd("2.3", "2.3.4", tarballs.unpack(CONTAINERD_23, lab) / "bin", lab, nri, runc),
+        _containerd("1.7", "1.7.24", debs.unpack(CONTAINERD_17, lab) / "usr/bin", lab, nri, runc),
         _crio(lab, nri),
         _crio(lab, nri, hooks=True),
     ]
@@ -131,7 +134,7 @@ def _nri_table(nri: NRITimeouts) -> dict[str, Any]:
 
 
 def _containerd(
-    minor: str, release: str, bin_dir: Path, lab: Path, nri: NRITimeouts
+    minor: str, release: str, bin_dir: Path, lab: Path, nri: NRITimeouts, runc_binary: str
 ) -> GuestRuntime:
     name = f"containerd-{minor}"
     state = f"/run/{name}"
@@ -140,7 +143,7 @@ def _containerd(
     runc = {
         "runtime_type": "io.containerd.runc.v2",
         # The systemd cgroup driver: each container a scope in its pod's slice.
-        "options": {"BinaryName": RUNC, "SystemdCgroup": True},
+        "options": {"BinaryName": runc_binary, "SystemdCgroup": True},
     }
     common: dict[str, Any] = {
         "root": f"/var/lib/{name}",
