@@ -1,7 +1,8 @@
 """Issue 30's end-to-end scenarios on the guest node (containerd 2.3.4, runc's systemd driver,
-the daemon as packaging installs it): one daemon for the module, each scenario removing its
-own pods.  The scenarios run in the guest (pinning.py) and return what the kernel and systemd
-said; the judging is here, and every test prints its figures for the CI log.
+the daemon as packaging installs it; the NUMA scenario on CRI-O too, over NRI and with the OCI
+hook): one daemon for the module, each scenario removing its own pods.  The scenarios run in
+the guest (pinning.py) and return what the kernel and systemd said; the judging is here, and
+every test prints its figures for the CI log.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import json
 import time
 from typing import Any
 
+import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
+
+from guest.conftest import SCENARIO_RUNTIME
 
 SIBLINGS = {"0-1", "2-3", "4-5", "6-7"}  # test_node.py checks the guest kernel reports these
 NUMA = {"0": "0-3", "1": "4-7"}
@@ -37,12 +41,18 @@ def _whole_cores(cpus: set[int]) -> bool:
     return all(_cpus(pair) <= cpus or not _cpus(pair) & cpus for pair in SIBLINGS)
 
 
-def test_numa_pod_born_pinned_then_pool_grows_back(guest: Guest, daemon_node: GuestRuntime) -> None:
+# CRI-O first: test_node.py, which runs before this module, leaves the node on CRI-O, and the
+# scenarios after this one stay on containerd 2.3.4 (one runtime switch fewer).
+@pytest.mark.parametrize("runtime_name", ["crio", "crio-hooks", SCENARIO_RUNTIME])
+def test_numa_pod_born_pinned_then_pool_grows_back(
+    guest: Guest, placing_runtime: GuestRuntime
+) -> None:
     """(a) A 4-CPU Guaranteed pod is born on 2 whole cores of one NUMA node with that node's
     memory; a Burstable pod already running is off those CPUs.  (c) Stopping and removing it
     gives the CPUs back to the Burstable pod: an explicit, wider list (not an empty
-    ``AllowedCPUs``, which systemd 252 would leave narrow)."""
-    facts = _call(guest, "numa_pod_then_stop", address=daemon_node.cri_socket)
+    ``AllowedCPUs``, which systemd 252 would leave narrow).  On containerd 2.3.4 and CRI-O
+    with the daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``)."""
+    facts = _call(guest, "numa_pod_then_stop", address=placing_runtime.cri_socket)
     assert facts["topology"]["numa_nodes"] == NUMA, facts["topology"]
     first = _cpus(facts["pinned_first_line"])
     pinned = facts["pinned"]
@@ -208,3 +218,4 @@ def test_runtime_restart_and_cpu_hotplug(guest: Guest, daemon_node: GuestRuntime
     assert len(taken) == 4, facts["pinned_online"]
     for tid, allowed in facts["shared_tasks_online"].items():
         assert not taken & _cpus(allowed), f"shared task {tid} on {allowed} (CPU back)"
+
