@@ -15,6 +15,7 @@ import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
 
+from demo.guest_demo import Narrator, walk
 from guest.conftest import SCENARIO_RUNTIME
 
 SIBLINGS = {"0-1", "2-3", "4-5", "6-7"}  # test_node.py checks the guest kernel reports these
@@ -219,3 +220,42 @@ def test_runtime_restart_and_cpu_hotplug(guest: Guest, daemon_node: GuestRuntime
     for tid, allowed in facts["shared_tasks_online"].items():
         assert not taken & _cpus(allowed), f"shared task {tid} on {allowed} (CPU back)"
 
+
+def test_guest_demo(guest: Guest, daemon_node: GuestRuntime) -> None:
+    """``./dev demo --guest``'s steps (demo/guest_demo.py), so that the demo cannot rot: the
+    4-CPU pod on 2 whole cores of one NUMA node with its memory, the 2-CPU pod on the other
+    socket, the Burstable pod shrinking as they start and growing back as they stop, and
+    ``status`` naming both."""
+    started = time.monotonic()
+    facts = walk(guest, daemon_node, Narrator())
+    print(f"the guest demo's steps: {time.monotonic() - started:.1f} s")
+    topology = facts["topology"]
+    assert topology["numa_nodes"] == NUMA and set(topology["siblings"]) == SIBLINGS
+    seen_by_daemon = topology["daemon_view"]
+    for part in ("threads/core 2", "socket 1:", "numa 0: 0-3", "numa 1: 4-7"):
+        assert part in seen_by_daemon, f"nri-cpuplugin topology: {part!r} not in {seen_by_daemon}"
+    db, cache = facts["db"], facts["cache"]
+    db_cpus = _cpus(db["first_lines"]["Cpus_allowed_list"])
+    node = next((n for n, cpus in NUMA.items() if db_cpus <= _cpus(cpus)), None)
+    assert len(db_cpus) == 4 and _whole_cores(db_cpus) and node is not None, db_cpus
+    assert db["first_lines"]["Mems_allowed_list"].strip() == node, "born with its node's memory"
+    seen = db["views"]["db"]
+    assert _cpus(seen["cpus_allowed_list"]) == _cpus(seen["allowed_cpus"]) == db_cpus, seen
+    assert seen["mems_allowed_list"] == seen["allowed_memory_nodes"] == node, seen
+    cache_cpus = _cpus(cache["first_lines"]["Cpus_allowed_list"])
+    sockets = {topology["sockets"][str(cpu)] for cpu in cache_cpus}
+    assert len(cache_cpus) == 2 and _whole_cores(cache_cpus), cache_cpus
+    assert sockets.isdisjoint(topology["sockets"][str(cpu)] for cpu in db_cpus), "other socket"
+    # web: every CPU, then shrinking as each pod starts, growing back as each stops
+    pool = [
+        _cpus(v["cpus_allowed_list"])
+        for v in (facts["web_alone"], db["views"]["web"], cache["views"]["web"])
+    ]
+    assert pool[0] > pool[1] > pool[2] and not pool[2] & (db_cpus | cache_cpus), pool
+    assert _cpus(cache["views"]["web"]["allowed_cpus"]) == pool[2], "systemd's view of web"
+    grown = [_cpus(v["cpus_allowed_list"]) for v in facts["web_after"]]
+    assert grown == [pool[1], pool[0]], f"web after the stops: {grown}, expected {pool[1::-1]}"
+    status = facts["status"]
+    assert status["rc"] == 0, status
+    for pod in ("db", "cache"):
+        assert f"/{pod}" in status["text"] or f" {pod}" in status["text"], status["text"]
