@@ -9,10 +9,14 @@ run), starts ``nri-cpuplugin run`` against it, and shows from inside the contain
 plugin does: a Guaranteed 1-CPU container is born on its own CPU, a Burstable neighbour is
 moved off that CPU in the same step and gets it back when the Guaranteed one stops.  Tears
 everything down at the end, also on failure or Ctrl-C.
+
+``--guest`` shows the same on a production-shaped node instead: the test harness's QEMU guest
+with systemd, cgroup v2, 2 sockets and 2 NUMA nodes with SMT (demo/guest_demo.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -110,4 +114,20 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(
+        prog="./dev demo",
+        description="The plugin pinning real containers: in a private containerd on this "
+        "host, or on the test harness's QEMU guest node.",
+    )
+    parser.add_argument(
+        "--guest",
+        action="store_true",
+        help="run on the test harness's QEMU guest node (systemd, cgroup v2, 2 sockets, "
+        "2 NUMA nodes, SMT; a few minutes under emulation)",
+    )
+    if parser.parse_args().guest:
+        from demo.guest_demo import main as guest_main
+
+        guest_main()
+    else:
+        main()

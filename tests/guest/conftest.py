@@ -8,6 +8,9 @@ runtimes on the systemd cgroup driver.
 * ``node`` (session) - the guest as a Kubernetes node (harness/guest_node.py).
 * ``runtime_name`` / ``on_runtime`` - the node's runtime for one test: its pods are removed and
   the daemon stopped after the test, whatever happened.
+* ``daemon_node`` / ``placing_runtime`` - containerd 2.3.4 with the daemon, or ``runtime_name``
+  with the project placing containers (the daemon, or CRI-O's OCI hook), kept from one
+  scenario to the next; the node is cleared after the module.
 
 The root conftest runs these tests after every other test of the session: the guest keeps
 both host CPUs busy, which timing-sensitive host tests must not share.  A guest or runtime
@@ -112,24 +115,40 @@ def on_runtime(node: GuestNode, runtime_name: str) -> Iterator[GuestRuntime]:
 
 
 @pytest.fixture(scope="module")
-def daemon_node(node: GuestNode) -> Iterator[GuestRuntime]:
-    """containerd 2.3.4 with the daemon, for a module of scenarios (a daemon start under
-    emulation takes tens of seconds: one per module); each scenario removes its own pods, and
-    the node is cleared after the module."""
+def cleared_after_module(node: GuestNode) -> Iterator[None]:
+    """The node cleared (pods removed, daemon stopped) once a module of scenarios is done."""
+    yield
+    if problems := node.clear():
+        pytest.fail(f"removing the module's pods failed: {problems}", pytrace=False)
+
+
+def _placing(node: GuestNode, name: str) -> GuestRuntime:
     error = None
     try:
         started = time.monotonic()
-        runtime = node.use(SCENARIO_RUNTIME)
-        node.start_daemon()
+        runtime = node.placing(name)
         ready = time.monotonic() - started
     except Exception as e:
-        error = f"{SCENARIO_RUNTIME} with the daemon could not be started: {e}"
+        error = f"{name} with the project placing containers could not be started: {e}"
     if error:
         pytest.fail(error, pytrace=False)
-    print(f"{SCENARIO_RUNTIME} and the daemon ready in {ready:.1f} s")
-    yield runtime
-    if problems := node.clear():
-        pytest.fail(f"removing the pods of {SCENARIO_RUNTIME} failed: {problems}", pytrace=False)
+    print(f"{name} and its placement ready in {ready:.1f} s")
+    return runtime
+
+
+@pytest.fixture
+def daemon_node(node: GuestNode, cleared_after_module: None) -> GuestRuntime:
+    """containerd 2.3.4 with the daemon, kept from one scenario to the next (a daemon start
+    under emulation takes tens of seconds: one per module unless a scenario on another
+    runtime came between); each scenario removes its own pods."""
+    return _placing(node, SCENARIO_RUNTIME)
+
+
+@pytest.fixture
+def placing_runtime(node: GuestNode, cleared_after_module: None, runtime_name: str) -> GuestRuntime:
+    """``runtime_name`` with the project placing its containers (``GuestNode.placing``: the
+    daemon over NRI, or the OCI hook for ``crio-hooks``), kept like ``daemon_node``."""
+    return _placing(node, runtime_name)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,7 +1,8 @@
 """Issue 30's end-to-end scenarios on the guest node (containerd 2.3.4, runc's systemd driver,
-the daemon as packaging installs it): one daemon for the module, each scenario removing its
-own pods.  The scenarios run in the guest (pinning.py) and return what the kernel and systemd
-said; the judging is here, and every test prints its figures for the CI log.
+the daemon as packaging installs it; the NUMA scenario on CRI-O too, over NRI and with the OCI
+hook): one daemon for the module, each scenario removing its own pods.  The scenarios run in
+the guest (pinning.py) and return what the kernel and systemd said; the judging is here, and
+every test prints its figures for the CI log.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ import json
 import time
 from typing import Any
 
+import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
+
+from demo.guest_demo import Narrator, walk
+from guest.conftest import SCENARIO_RUNTIME
 
 SIBLINGS = {"0-1", "2-3", "4-5", "6-7"}  # test_node.py checks the guest kernel reports these
 NUMA = {"0": "0-3", "1": "4-7"}
@@ -37,12 +42,18 @@ def _whole_cores(cpus: set[int]) -> bool:
     return all(_cpus(pair) <= cpus or not _cpus(pair) & cpus for pair in SIBLINGS)
 
 
-def test_numa_pod_born_pinned_then_pool_grows_back(guest: Guest, daemon_node: GuestRuntime) -> None:
+# CRI-O first: test_node.py, which runs before this module, leaves the node on CRI-O, and the
+# scenarios after this one stay on containerd 2.3.4 (one runtime switch fewer).
+@pytest.mark.parametrize("runtime_name", ["crio", "crio-hooks", SCENARIO_RUNTIME])
+def test_numa_pod_born_pinned_then_pool_grows_back(
+    guest: Guest, placing_runtime: GuestRuntime
+) -> None:
     """(a) A 4-CPU Guaranteed pod is born on 2 whole cores of one NUMA node with that node's
     memory; a Burstable pod already running is off those CPUs.  (c) Stopping and removing it
     gives the CPUs back to the Burstable pod: an explicit, wider list (not an empty
-    ``AllowedCPUs``, which systemd 252 would leave narrow)."""
-    facts = _call(guest, "numa_pod_then_stop", address=daemon_node.cri_socket)
+    ``AllowedCPUs``, which systemd 252 would leave narrow).  On containerd 2.3.4 and CRI-O
+    with the daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``)."""
+    facts = _call(guest, "numa_pod_then_stop", address=placing_runtime.cri_socket)
     assert facts["topology"]["numa_nodes"] == NUMA, facts["topology"]
     first = _cpus(facts["pinned_first_line"])
     pinned = facts["pinned"]
@@ -208,3 +219,43 @@ def test_runtime_restart_and_cpu_hotplug(guest: Guest, daemon_node: GuestRuntime
     assert len(taken) == 4, facts["pinned_online"]
     for tid, allowed in facts["shared_tasks_online"].items():
         assert not taken & _cpus(allowed), f"shared task {tid} on {allowed} (CPU back)"
+
+
+def test_guest_demo(guest: Guest, daemon_node: GuestRuntime) -> None:
+    """``./dev demo --guest``'s steps (demo/guest_demo.py), so that the demo cannot rot: the
+    4-CPU pod on 2 whole cores of one NUMA node with its memory, the 2-CPU pod on the other
+    socket, the Burstable pod shrinking as they start and growing back as they stop, and
+    ``status`` naming both."""
+    started = time.monotonic()
+    facts = walk(guest, daemon_node, Narrator())
+    print(f"the guest demo's steps: {time.monotonic() - started:.1f} s")
+    topology = facts["topology"]
+    assert topology["numa_nodes"] == NUMA and set(topology["siblings"]) == SIBLINGS
+    seen_by_daemon = topology["daemon_view"]
+    for part in ("threads/core 2", "socket 1:", "numa 0: 0-3", "numa 1: 4-7"):
+        assert part in seen_by_daemon, f"nri-cpuplugin topology: {part!r} not in {seen_by_daemon}"
+    db, cache = facts["db"], facts["cache"]
+    db_cpus = _cpus(db["first_lines"]["Cpus_allowed_list"])
+    node = next((n for n, cpus in NUMA.items() if db_cpus <= _cpus(cpus)), None)
+    assert len(db_cpus) == 4 and _whole_cores(db_cpus) and node is not None, db_cpus
+    assert db["first_lines"]["Mems_allowed_list"].strip() == node, "born with its node's memory"
+    seen = db["views"]["db"]
+    assert _cpus(seen["cpus_allowed_list"]) == _cpus(seen["allowed_cpus"]) == db_cpus, seen
+    assert seen["mems_allowed_list"] == seen["allowed_memory_nodes"] == node, seen
+    cache_cpus = _cpus(cache["first_lines"]["Cpus_allowed_list"])
+    sockets = {topology["sockets"][str(cpu)] for cpu in cache_cpus}
+    assert len(cache_cpus) == 2 and _whole_cores(cache_cpus), cache_cpus
+    assert sockets.isdisjoint(topology["sockets"][str(cpu)] for cpu in db_cpus), "other socket"
+    # web: every CPU, then shrinking as each pod starts, growing back as each stops
+    pool = [
+        _cpus(v["cpus_allowed_list"])
+        for v in (facts["web_alone"], db["views"]["web"], cache["views"]["web"])
+    ]
+    assert pool[0] > pool[1] > pool[2] and not pool[2] & (db_cpus | cache_cpus), pool
+    assert _cpus(cache["views"]["web"]["allowed_cpus"]) == pool[2], "systemd's view of web"
+    grown = [_cpus(v["cpus_allowed_list"]) for v in facts["web_after"]]
+    assert grown == [pool[1], pool[0]], f"web after the stops: {grown}, expected {pool[1::-1]}"
+    status = facts["status"]
+    assert status["rc"] == 0, status
+    for pod in ("db", "cache"):
+        assert f"/{pod}" in status["text"] or f" {pod}" in status["text"], status["text"]

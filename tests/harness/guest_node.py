@@ -40,6 +40,7 @@ class GuestNode:
         self.nri = nri or (EMULATED_NRI_TIMEOUTS if emulated else NRITimeouts())
         self.runtimes = runtimes(guest.lab, self.nri, runc)
         self.current: GuestRuntime | None = None
+        self.daemon_running = False  # started by start_daemon(), not stopped since
         self._installed = False
         self._images: set[str] = set()
 
@@ -96,6 +97,19 @@ class GuestNode:
             if not result.ok:
                 raise GuestError(f"importing images into {runtime.name}: {result.describe()}")
         self._images.add(runtime.cri_socket)
+
+    def placing(self, name: str) -> GuestRuntime:
+        """``name`` as the node's runtime with the project placing its containers: the daemon
+        for a runtime with NRI, the OCI hook (in the runtime's hooks.d) for ``crio-hooks``.
+        What an earlier call set up is kept (a daemon start under emulation takes tens of
+        seconds); another runtime is switched to, and the daemon started or stopped."""
+        previous = self.current
+        runtime = self.use(name)
+        if not runtime.nri:
+            self.stop_daemon()
+        elif previous is not runtime or not self.daemon_running or not self.active(DAEMON_UNIT):
+            self.start_daemon()
+        return runtime
 
     def clear(self) -> list[str]:
         """Every pod of the current runtime removed (and its slice stopped); the daemon
@@ -189,8 +203,10 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
                     f"in {timeout} s\n{self.journal(DAEMON_UNIT)}\n{self.log()}"
                 )
             time.sleep(1)
+        self.daemon_running = True
 
     def stop_daemon(self) -> None:
+        self.daemon_running = False
         self.guest.run(["systemctl", "stop", DAEMON_UNIT], timeout=120)
         self.guest.run(["rm", "-rf", DAEMON_STATE], timeout=60)
 

@@ -73,6 +73,7 @@ class GuestRuntime:
     # they talk to the running runtime (containerd) rather than to its storage (CRI-O).
     import_images: tuple[tuple[str, ...], ...] = ()
     images_while_running: bool = True
+    nri: bool = True  # False: NRI off, the project's OCI hook places containers (crio-hooks)
 
     @property
     def unit(self) -> str:
@@ -118,6 +119,7 @@ def _with_unit_conflicts(runtime: GuestRuntime, names: list[str]) -> GuestRuntim
         files,
         runtime.import_images,
         runtime.images_while_running,
+        runtime.nri,
     )
 
 
@@ -317,6 +319,7 @@ TimeoutStartSec=0
         files,
         import_images=imports,
         images_while_running=False,
+        nri=not hooks,
     )
 
 
