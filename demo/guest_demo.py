@@ -87,7 +87,7 @@ def walk(guest: Guest, runtime: GuestRuntime, say: Narrator) -> dict[str, Any]:
         timeout=120,
     )
     say.block(status.stdout or status.describe())
-    facts["status"] = {"rc": status.returncode, "text": status.stdout}
+    facts["status"] = {"rc": status.rc, "text": status.stdout}
 
     say.step("stop 'cache', then 'db': web grows back")
     facts["web_after"] = [
