@@ -27,8 +27,7 @@ from harness import guest_runtimes, guest_vm
 from harness.guest import Guest, GuestError
 from harness.guest_node import GuestNode
 from harness.guest_runtimes import GuestRuntime
-
-from demo.in_guest import cpu_list
+from harness.host import parse_cpu_list
 
 RUNTIME = "containerd-2.3"
 STEPS = "demo.in_guest"
@@ -111,7 +110,7 @@ def _stop(
         cid=pod["cid"],
         slice=pod["slice"],
         watch=watch,
-        grows=cpu_list(pod["first_lines"]["Cpus_allowed_list"]),
+        grows=parse_cpu_list(pod["first_lines"]["Cpus_allowed_list"]),
     )
     views: dict[str, dict[str, str]] = done["views"]
     if watch:

@@ -17,6 +17,7 @@ from typing import Any
 
 from harness.cri import ContainerSpec
 from harness.guest_kubelet import CGROUP_ROOT, SystemdKubelet, pod_slice, stop_slice, unit_property
+from harness.host import parse_cpu_list
 
 # The container's own first view, before anything could move it: its first log lines.
 FIRST_LINES = "grep -E 'Cpus_allowed_list|Mems_allowed_list' /proc/self/status; exec sleep infinity"
@@ -64,7 +65,7 @@ def stop_pod(
         seconds = round(time.monotonic() - started, 1)
         deadline = time.monotonic() + 30
         for cid in list(watch.values())[:1]:
-            while not set(grows) <= set(cpu_list(view(cri, cid)["cpus_allowed_list"])):
+            while not set(grows) <= set(parse_cpu_list(view(cri, cid)["cpus_allowed_list"])):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
@@ -95,15 +96,6 @@ def view(cri: SystemdKubelet, cid: str) -> dict[str, str]:
         "allowed_cpus": unit_property(directory.name, "AllowedCPUs"),
         "allowed_memory_nodes": unit_property(directory.name, "AllowedMemoryNodes"),
     }
-
-
-def cpu_list(text: str) -> list[int]:
-    """``0-1,4`` (or systemd's ``0-1 4``) -> [0, 1, 4]."""
-    cpus: set[int] = set()
-    for part in filter(None, text.replace(" ", ",").split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return sorted(cpus)
 
 
 def _read(path: Path) -> str:

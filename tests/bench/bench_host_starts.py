@@ -20,7 +20,7 @@ from harness.containerd import Containerd, at_least
 from harness.cri import CRIClient
 from harness.k8s import ContainerSpec, PodSpec
 
-from . import runc_calls, shared_window
+from . import runc_calls, shared_window, start_sample
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep infinity"
 
@@ -92,49 +92,23 @@ def _shared(cri: CRIClient) -> tuple[dict[str, Path], dict[str, str]]:
 
 
 def _timed_start(cri: CRIClient, label: str, pinned: bool, log: Path, since: int) -> dict[str, Any]:
-    """guest_side.timed_guaranteed_start's protocol on the host (see there)."""
-    import time
-
+    """guest_side.timed_guaranteed_start on the host: cgroups found from the processes."""
     spec = ContainerSpec.guaranteed("app", 1, command=FIRST_LINE)
-    pod = PodSpec.for_containers(f"g-{label}", [spec])
     shared, roles = _shared(cri)
-    before = runc_calls.log_size(log)
-    t0 = time.monotonic()
-    pod_id = cri.run_pod(pod)
-    t1 = time.monotonic()
-    cid = cri.create_container(pod_id, spec)
-    t2 = time.monotonic()
-    cri.start(cid)
-    t3 = time.monotonic()
-    cpus = shared_window.exclusive_cpus(shared_window.cpuset_dir(cri.inspect(cid).pid))
-    if pinned:
-        window = shared_window.measure(shared, cpus, since=t3)
-    else:
-        window = {"on_cpu_first": len(shared_window.on_cpus(shared, cpus)), "window_s": None}
-    lines = cri.wait_logs(cid, "Cpus_allowed_list", timeout=30)
-    first = next(x for x in lines if "Cpus_allowed_list" in x).split(":", 1)[1].strip()
-    started = runc_calls.log_size(log)
-    cri.stop(cid, timeout=0)
-    cri.remove(cid)
-    cri.stop_pod(pod_id)
-    cri.remove_pod(pod_id)
-    removed = runc_calls.log_size(log)
-    roles.update({cid: "guaranteed", pod_id: "guaranteed-sandbox"})
 
-    def updates(start: int, end: int) -> dict[str, int]:
-        return runc_calls.updates_by_target(runc_calls.calls(log, start, end), roles)
+    def first_line(cid: str) -> str:
+        lines = cri.wait_logs(cid, "Cpus_allowed_list", timeout=30)
+        return next(x for x in lines if "Cpus_allowed_list" in x).split(":", 1)[1].strip()
 
-    return {
-        "run_pod_s": t1 - t0,
-        "create_s": t2 - t1,
-        "start_s": t3 - t2,
-        "pod_start_s": t3 - t0,
-        "first_line": first,
-        "cpus": sorted(cpus),
-        "shared": len(shared),
-        **window,
-        "updates_start": updates(before, started),
-        "updates_removal": updates(started, removed),
-        "updates_between": updates(since, before),
-        "log_end": removed,
-    }
+    return start_sample.timed_start(
+        cri,
+        PodSpec.for_containers(f"g-{label}", [spec]),
+        spec,
+        shared=shared,
+        roles=roles,
+        pinned=pinned,
+        runc_log=log,
+        since=since,
+        own_cpuset=lambda cid: shared_window.cpuset_dir(cri.inspect(cid).pid),
+        first_line=first_line,
+    )

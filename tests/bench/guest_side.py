@@ -5,7 +5,6 @@ imports (the host side of the harness) the guest does not need."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from harness.cri import ContainerSpec
 from harness.guest_kubelet import CGROUP_ROOT, QOS_SLICES, SystemdKubelet, pod_slice, slice_path
 from harness.k8s import BURSTABLE, PodSpec
 
-from bench import runc_calls, shared_window
+from bench import start_sample
 
 
 def start_shared(address: str, count: int, first: int = 0) -> list[str]:
@@ -47,53 +46,21 @@ def _shared(cri: SystemdKubelet) -> tuple[dict[str, Path], dict[str, str]]:
 def timed_guaranteed_start(
     address: str, label: str, pinned: bool, runc_log: str, since: int = 0
 ) -> dict[str, Any]:
-    """One 1-CPU Guaranteed pod: RunPodSandbox, CreateContainer and StartContainer timed; right
-    after StartContainer returned, the shared containers on its CPU looked for until none is
-    (``pinned``: the daemon runs; without it one look, which finds them all); its first line
-    read (where it was born); then the pod removed.  The runtime's ``runc update`` calls are
-    counted by target: from RunPodSandbox to the first line (*start*), during the removal, and
-    from ``since`` (the previous sample's end) to this one (*between*: the daemon's restart)."""
+    """One 1-CPU Guaranteed pod started, timed and removed (start_sample.py says how)."""
     spec = ContainerSpec.guaranteed("app", 1, command=FIRST_LINE)
     pod = PodSpec.for_containers(f"bench-g-{label}", [spec])
+    pod_dir = CGROUP_ROOT / slice_path(pod_slice(pod)).lstrip("/")
     with SystemdKubelet(address) as cri:
         shared, roles = _shared(cri)
-        before = runc_calls.log_size(runc_log)
-        t0 = time.monotonic()
-        pod_id = cri.run_pod(pod)
-        t1 = time.monotonic()
-        cid = cri.create_container(pod_id, spec)
-        t2 = time.monotonic()
-        cri.start(cid)
-        t3 = time.monotonic()
-        scope = CGROUP_ROOT / slice_path(pod_slice(pod)).lstrip("/") / f"cri-containerd-{cid}.scope"
-        cpus = shared_window.exclusive_cpus(scope)
-        if pinned:
-            window = shared_window.measure(shared, cpus, since=t3)
-        else:
-            window = {"on_cpu_first": len(shared_window.on_cpus(shared, cpus)), "window_s": None}
-        first = _first_line(cri, cid)
-        started = runc_calls.log_size(runc_log)
-        cri.stop(cid, timeout=0)
-        cri.remove(cid)
-        cri.stop_pod(pod_id)
-        cri.remove_pod(pod_id)
-        removed = runc_calls.log_size(runc_log)
-    roles.update({cid: "guaranteed", pod_id: "guaranteed-sandbox"})
-    return {
-        "run_pod_s": t1 - t0,
-        "create_s": t2 - t1,
-        "start_s": t3 - t2,
-        "pod_start_s": t3 - t0,
-        "first_line": first,
-        "cpus": sorted(cpus),
-        "shared": len(shared),
-        **window,
-        "updates_start": _updates(runc_log, before, started, roles),
-        "updates_removal": _updates(runc_log, started, removed, roles),
-        "updates_between": _updates(runc_log, since, before, roles),
-        "log_end": removed,
-    }
-
-
-def _updates(log: str, start: int, end: int, roles: dict[str, str]) -> dict[str, int]:
-    return runc_calls.updates_by_target(runc_calls.calls(log, start, end), roles)
+        return start_sample.timed_start(
+            cri,
+            pod,
+            spec,
+            shared=shared,
+            roles=roles,
+            pinned=pinned,
+            runc_log=runc_log,
+            since=since,
+            own_cpuset=lambda cid: pod_dir / f"cri-containerd-{cid}.scope",
+            first_line=lambda cid: _first_line(cri, cid),
+        )

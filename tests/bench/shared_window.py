@@ -13,15 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.host import parse_cpu_list
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def cpu_list(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in filter(None, text.strip().split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
 
 
 def cpuset_dir(pid: int) -> Path:
@@ -43,7 +37,7 @@ def effective_cpus(directory: Path) -> set[int] | None:
     """The cgroup's effective CPUs; None when it is gone."""
     for name in ("cpuset.cpus.effective", "cpuset.effective_cpus"):
         try:
-            return cpu_list((directory / name).read_text())
+            return _cpus((directory / name).read_text())
         except FileNotFoundError:
             continue
     return None
@@ -66,7 +60,7 @@ def _tasks_allowed(directory: Path) -> list[set[int]]:
             except OSError:
                 continue
             line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
-            allowed.append(cpu_list(line.split(":", 1)[1]))
+            allowed.append(_cpus(line.split(":", 1)[1]))
     return allowed
 
 
@@ -120,3 +114,7 @@ def measure(
         "looks": looks,
         "first_look_s": round(first_look_s, 4),
     }
+
+
+def _cpus(text: str) -> set[int]:
+    return set(parse_cpu_list(text))

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
+from harness.host import parse_cpu_list
 
 from demo.guest_demo import Narrator, walk
 from guest.conftest import SCENARIO_RUNTIME
@@ -23,11 +24,7 @@ NUMA = {"0": "0-3", "1": "4-7"}
 
 
 def _cpus(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in filter(None, text.replace(" ", ",").split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
+    return set(parse_cpu_list(text))
 
 
 def _call(guest: Guest, function: str, timeout: float = 900.0, **kwargs: Any) -> dict[str, Any]:
