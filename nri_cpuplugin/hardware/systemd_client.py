@@ -31,20 +31,22 @@ class SystemdClient:
     """A blocking connection to systemd, opened by the first call that needs it and kept until
     ``close``.  Not thread-safe: one user at a time."""
 
-    __slots__ = ("conversation", "hello", "path", "sock")
+    __slots__ = ("conversation", "hello", "late", "path", "sock")
 
     def __init__(self, path: str = SYSTEM_BUS, *, hello: bool | None = None) -> None:
         self.path = path
         self.hello = path != SYSTEMD_PRIVATE if hello is None else hello
         self.sock: _socket.socket | None = None
         self.conversation: Conversation | None = None
+        self.late: dict[str, UnitResult] = {}
 
     def set_allowed(
         self, changes: Sequence[tuple[str, Iterable[int], Iterable[int] | None]], timeout: float
     ) -> list[UnitResult]:
         """Set AllowedCPUs (and AllowedMemoryNodes where given) of each ``(unit, cpus, mems)``,
         all calls pipelined, every answer awaited until ``timeout`` seconds from now; a result
-        per change, in order.  Never raises for systemd's answers or a lost connection."""
+        per change, in order (PENDING: sent, systemd not done with it by then - see
+        ``take_late``).  Never raises for systemd's answers or a lost connection."""
         deadline = time.monotonic() + timeout
         conversation = self.conversation
         if conversation is None or conversation.closed:
@@ -57,7 +59,10 @@ class SystemdClient:
                 assert sock is not None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    conversation.abandon(batch, TIMEOUT, timeout_error(timeout))
+                    if conversation.ready:  # systemd will get to what was sent
+                        conversation.leave_pending(batch, timeout_error(timeout))
+                    else:
+                        conversation.abandon(batch, TIMEOUT, timeout_error(timeout))
                     break
                 sock.settimeout(remaining)  # bounds the send too: a peer that stops reading
                 out = conversation.outgoing()
@@ -76,9 +81,16 @@ class SystemdClient:
         except OSError as e:
             error = SystemdError(f"systemd's D-Bus connection at {self.path} failed: {e}", "closed")
             conversation.fail(UNREACHABLE, error)
+        self.late.update(conversation.take_late())
         if conversation.closed:
             self.close()
         return in_order(batch, changes)
+
+    def take_late(self) -> dict[str, UnitResult]:
+        """What became of calls left PENDING by earlier ``set_allowed``s, as far as known (their
+        answers are read while later calls wait for theirs), by unit; each told once."""
+        late, self.late = self.late, {}
+        return late
 
     def connect(self, timeout: float) -> SystemdError | None:
         """Open the connection and wait for the end of its handshake (authentication, Hello),

@@ -2,8 +2,11 @@
 calls of many units pipelined, and each answer turned into that unit's result.
 
 Many units are changed at once (every shared container when an exclusive one starts), so the
-calls are pipelined on one connection, at most ``WINDOW`` unanswered at a time, and their
-answers collected within one deadline; each unit gets its own ``UnitResult``.  Bytes go in and
+calls are pipelined on one connection (on the system bus at most ``WINDOW`` unanswered at a
+time) and their answers collected within one deadline; each unit gets its own ``UnitResult``.
+A call sent on a working connection but unanswered at the deadline is *pending*, not failed:
+systemd works through a connection's calls in order and will apply it; its answer, when it
+comes, lands in ``late`` (a failure there is the caller's to act on).  Bytes go in and
 out and results land in batches: the client (systemd_client.py) only moves the
 bytes and keeps the deadline.
 """
@@ -17,6 +20,8 @@ from .dbus_auth import auth_external, auth_reply
 from .dbus_unmarshal import MessageReader
 from .systemd_units import (
     FAILED,
+    PENDING,
+    TIMEOUT,
     UNREACHABLE,
     SystemdError,
     UnitResult,
@@ -30,9 +35,10 @@ TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-# Calls in flight per connection: dbus-daemon refuses a connection's pending method calls past
-# max_replies_per_connection (128 by default on the system bus, LimitsExceeded), so stay well
-# below it; systemd answers in order anyway, so a deeper pipe gains nothing.
+# Calls in flight per connection on the system bus: dbus-daemon refuses a connection's pending
+# method calls past max_replies_per_connection (128 by default, LimitsExceeded), so stay well
+# below it.  systemd's private socket has no bus daemon and no such limit: every call leaves
+# at once, so none is left unsent when a slow systemd makes the deadline pass.
 WINDOW = 64
 # Replies are a few hundred bytes; a peer announcing a bigger message is not systemd.
 MAX_REPLY = 1 << 20
@@ -76,6 +82,7 @@ class Conversation:
         "error",
         "hello",
         "in_flight",
+        "late",
         "name",
         "pending",
         "reader",
@@ -91,6 +98,7 @@ class Conversation:
         self.authenticated = False
         self.name: str | None = None  # our unique name on the bus, once Hello is answered
         self.in_flight: dict[int, Batch] = {}  # serial -> batch
+        self.late = Batch()  # calls left pending by their batch, and their answers as they come
         self.batches: list[Batch] = []  # with calls not yet sent, in order
         self.pending = bytearray()  # received, not yet through authentication
         self.error: SystemdError | None = None
@@ -139,7 +147,7 @@ class Conversation:
         if self.closed:
             return b""
         out = bytearray()
-        while self.batches and len(self.in_flight) < WINDOW:
+        while self.batches and (not self.hello or len(self.in_flight) < WINDOW):
             batch = self.batches[0]
             unit, cpus, mems = batch.calls.pop()  # (submit stored them reversed: pop is O(1))
             serial = self.serials.next()
@@ -194,6 +202,25 @@ class Conversation:
         for serial in batch.waiting:
             self.in_flight[serial] = _ABANDONED
         batch.settle(outcome, error)
+
+    def leave_pending(self, batch: Batch, error: SystemdError) -> None:
+        """The deadline passed on a working connection: ``batch``'s calls already sent are
+        PENDING (their answers go to ``late``), those never sent are TIMEOUT (``error``)."""
+        if batch in self.batches:
+            self.batches.remove(batch)
+        for serial, unit in batch.waiting.items():
+            batch.results[unit] = UnitResult(unit, PENDING)
+            self.late.waiting[serial] = unit
+            self.in_flight[serial] = self.late
+        batch.waiting.clear()
+        batch.settle(TIMEOUT, error)
+
+    def take_late(self) -> dict[str, UnitResult]:
+        """The answers to pending calls that came since the last look, by unit (a lost
+        connection answers every one still pending with UNREACHABLE)."""
+        results = self.late.results
+        self.late.results = {}
+        return results
 
     def fail(self, outcome: str, error: SystemdError) -> None:
         """The connection is unusable: every batch not yet answered gets ``outcome``."""

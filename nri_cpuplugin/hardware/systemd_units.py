@@ -44,7 +44,9 @@ MAX_CPU = 1 << 16  # a bitmask byte per 8 CPUs: a bound on what one call can car
 SET = "set"  # systemd applied it (cgroup written, drop-in kept)
 GONE = "gone"  # no such unit: the container went away meanwhile
 DENIED = "denied"  # systemd or the bus refused us
-TIMEOUT = "timeout"  # no answer within the deadline
+TIMEOUT = "timeout"  # not sent, or no answer, within the deadline (nothing to wait for)
+PENDING = "pending"  # sent on a working connection, unanswered yet: systemd applies its calls
+# in order, so it will be set (a late failure comes back through the client's ``take_late``)
 UNREACHABLE = "unreachable"  # no connection to systemd (socket, authentication, Hello)
 FAILED = "failed"  # any other error answer
 
@@ -181,8 +183,8 @@ def bus_path(setting: str) -> str | None:
 
 
 class UnitResult:
-    """What became of one unit's call: ``outcome`` (SET, GONE, DENIED, TIMEOUT, UNREACHABLE,
-    FAILED) and, unless it was set, ``error`` saying what went wrong and what to do."""
+    """What became of one unit's call: ``outcome`` (SET, PENDING, GONE, DENIED, TIMEOUT,
+    UNREACHABLE, FAILED) and, unless it was set, ``error`` saying what went wrong and what to do."""
 
     __slots__ = ("error", "outcome", "unit")
 
@@ -193,9 +195,9 @@ class UnitResult:
 
     @property
     def ok(self) -> bool:
-        """Nothing to do for the caller: set, or the unit is gone (a container removed while
-        its cpuset changed is no error)."""
-        return self.outcome in (SET, GONE)
+        """Nothing to do for the caller: set, on its way (pending), or the unit is gone (a
+        container removed while its cpuset changed is no error)."""
+        return self.outcome in (SET, PENDING, GONE)
 
     def __repr__(self) -> str:
         return f"UnitResult({self.unit!r}, {self.outcome!r}, {self.error!s})"

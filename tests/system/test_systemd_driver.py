@@ -104,6 +104,33 @@ def test_pinning_at_start_serves_the_systemd_driver(tmp_path, systemd):
     plugin.close()
 
 
+def test_a_slow_systemds_units_stay_with_systemd_not_the_reply(tmp_path, systemd):
+    """systemd busier than the daemon's wait (100 scopes under emulation): the calls are sent,
+    systemd applies them later, the cgroup files hold the cpusets meanwhile, and the runtime
+    is not asked for a ``runc update`` through the same busy systemd."""
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    path = scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
+    plugin.create_container(web, nginx)
+    plugin.start_container(web, nginx)
+    seen = len(fake_systemd.calls())
+    fake_systemd.stall()
+    try:
+        db = pod("db")
+        adjust, updates = plugin.create_container(db, container("pg", db, 2000))
+    finally:
+        fake_systemd.resume()
+    assert adjust.linux.resources.cpu.cpus == "1,25"
+    assert list(updates) == []
+    assert fake.read(path, "cpuset.cpus") == POOL
+    late = fake_systemd.wait_calls(seen + 1)[seen:]
+    assert [c["unit"] for c in late] == [f"cri-containerd-{nginx.id}.scope"]
+    assert plugin.records.of("systemd") == []  # pending is no failure
+    plugin.close()
+
+
 def test_what_systemd_does_not_take_the_runtime_applies(tmp_path, systemd):
     """A unit systemd refuses (here: the FAKE's ``-denied`` name) goes into the reply, for the
     runtime's own ``runc update``; said once."""

@@ -23,13 +23,16 @@ from hypothesis import strategies as st
 from jeepney.low_level import Parser as JeepneyParser
 
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.daemon.units import SystemdUnits
 from nri_cpuplugin.hardware import dbus_wire as wire
 from nri_cpuplugin.hardware import systemd_units as su
+from nri_cpuplugin.hardware.cpusets import Target
 from nri_cpuplugin.hardware.dbus_auth import auth_external
 from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
 from nri_cpuplugin.hardware.systemd_client import SystemdClient
 from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
 from nri_cpuplugin.hardware.systemd_units import SystemdError
+from nri_cpuplugin.ops.audit import Audit
 
 # --- unit names -------------------------------------------------------------------------------
 
@@ -312,8 +315,8 @@ def test_a_refused_hello_is_unreachable() -> None:
 
 
 def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped() -> None:
-    conversation, _ = _greeted(hello=False)
-    conversation.feed(OK_LINE)
+    conversation, [hello] = _greeted()  # the window is the bus's: only with Hello
+    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
     slow = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(WINDOW)])
     late_calls = _calls(conversation.outgoing())
     conversation.abandon(slow, su.TIMEOUT, SystemdError("late", "timeout"))
@@ -322,9 +325,37 @@ def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped
     assert conversation.outgoing() == b""  # the abandoned calls still fill the window
     conversation.feed(b"".join(_reply(call, 1000 + call.serial) for call in late_calls))
     assert {r.outcome for r in slow.results.values()} == {su.TIMEOUT}  # unchanged
+    assert conversation.take_late() == {}  # abandoned, not pending: nobody asks
     [call] = _calls(conversation.outgoing())
     conversation.feed(_reply(call, 5000))
     assert fresh.results["f.scope"].outcome == su.SET
+
+
+def test_peer_to_peer_every_call_leaves_at_once() -> None:
+    """systemd's private socket has no bus daemon limiting replies owed: no window."""
+    conversation, _ = _greeted(hello=False)
+    conversation.submit([(f"crio-{i}.scope", {1}, None) for i in range(3 * WINDOW)])
+    assert len(_calls(conversation.outgoing())) == 3 * WINDOW
+
+
+def test_sent_calls_are_pending_at_the_deadline_and_their_answers_come_late() -> None:
+    conversation, [hello] = _greeted()
+    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
+    batch = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(WINDOW + 5)])
+    sent = _calls(conversation.outgoing())  # the window's worth; 5 wait for room
+    conversation.feed(_reply(sent[0], 200))
+    conversation.leave_pending(batch, SystemdError("slow", "timeout"))
+    outcomes = [r.outcome for r in in_order(batch, [(f"s{i}.scope",) for i in range(WINDOW + 5)])]
+    # answered: set; sent, unanswered: pending; never sent: timeout (the caller's to apply)
+    assert outcomes == [su.SET] + [su.PENDING] * (WINDOW - 1) + [su.TIMEOUT] * 5
+    assert batch.done and conversation.outgoing() == b""  # the unsent ones are dropped
+    conversation.feed(_reply(sent[1], 201) + _reply(sent[2], 202, "org.x.Error.Failed", "no"))
+    late = conversation.take_late()
+    assert {u: r.outcome for u, r in late.items()} == {"s1.scope": su.SET, "s2.scope": su.FAILED}
+    assert conversation.take_late() == {}  # each told once
+    conversation.fail(su.UNREACHABLE, SystemdError("gone", "closed"))
+    lost = conversation.take_late()  # the rest were lost with the connection
+    assert len(lost) == WINDOW - 3 and {r.outcome for r in lost.values()} == {su.UNREACHABLE}
 
 
 # --- the clients against a scripted peer ------------------------------------------------------
@@ -449,6 +480,33 @@ def test_the_blocking_client_never_waits_past_its_deadline(peer, script, outcome
     assert elapsed < 0.5 + 2.0  # the deadline, plus scheduling on a busy machine
 
 
+def test_the_blocking_client_leaves_a_slow_systemds_calls_pending(peer) -> None:
+    """Answers held back until the client's deadline has passed: the calls are PENDING (systemd
+    will apply them), and their answers are read while the next call waits for its own."""
+    release = threading.Event()
+
+    def slow(call: wire.Message, serial: int) -> bytes:
+        if call.body[0].startswith("slow"):
+            release.wait(10)
+        return wire.method_return(serial, call)
+
+    p = peer(lambda conn: _systemd(conn, slow))
+    with SystemdClient(p.path, hello=False) as client:
+        results = client.set_allowed(
+            [("slow-1.scope", {1}, None), ("slow-2.scope", {1}, None)], 0.3
+        )
+        assert [r.outcome for r in results] == [su.PENDING, su.PENDING] and all(
+            r.ok for r in results
+        )
+        release.set()
+        assert client.set_allowed([("next.scope", {1}, None)], 10)[0].outcome == su.SET
+        assert {u: r.outcome for u, r in client.take_late().items()} == {
+            "slow-1.scope": su.SET,
+            "slow-2.scope": su.SET,
+        }
+        assert client.take_late() == {}
+
+
 def test_the_blocking_client_says_why_it_cannot_connect(tmp_path) -> None:
     missing = str(tmp_path / "none")
     [result] = SystemdClient(missing).set_allowed([("a.scope", {1}, None)], 1)
@@ -479,3 +537,63 @@ def test_connecting_ahead_of_the_calls(peer) -> None:
         assert error.code == "timeout" and "handshake" in str(error)
     error = SystemdClient(p.path + ".missing").connect(1)
     assert error.code == "unreachable" and "no socket at" in str(error)
+
+
+# --- the daemon's units (daemon/units.py) over a scripted client -----------------------------
+
+
+class ScriptedClient:
+    """The edge: answers each unit with the outcome the test gives (default SET), and hands out
+    late answers as ``take_late`` would."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, str] = {}
+        self.late: dict[str, su.UnitResult] = {}
+        self.sent: list[list[str]] = []
+
+    def set_allowed(self, changes, timeout):
+        self.sent.append([unit for unit, *_ in changes])
+        return [su.UnitResult(u, self.outcomes.get(u, su.SET)) for u, *_ in changes]
+
+    def take_late(self):
+        late, self.late = self.late, {}
+        return late
+
+    def close(self) -> None:
+        pass
+
+
+def _target(cid: str, cpus: str = "0-3") -> Target:
+    return Target(cid, f"kubepods.slice:cri-containerd:{cid}", CPUSet.parse(cpus))
+
+
+def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> None:
+    records: list[dict] = []
+    units = SystemdUnits(Audit(records.append), "/nonexistent")
+    units.client = client = ScriptedClient()
+    client.outcomes = {"cri-containerd-a.scope": su.PENDING, "cri-containerd-b.scope": su.PENDING}
+    assert units.set_cpus([_target("a"), _target("b")]) == []  # pending: nothing to hand over
+    # a's answer came (set); b's call was lost with the connection: b goes again, once
+    client.late = {
+        "cri-containerd-a.scope": su.UnitResult("cri-containerd-a.scope", su.SET),
+        "cri-containerd-b.scope": su.UnitResult(
+            "cri-containerd-b.scope", su.UNREACHABLE, SystemdError("closed", "closed")
+        ),
+    }
+    client.outcomes = {}
+    assert units.set_cpus([_target("c")]) == []
+    assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-b.scope"]
+    assert units.set_cpus([_target("d")]) == [] and client.sent[-1] == ["cri-containerd-d.scope"]
+    # a late refusal is logged (once), and not sent again
+    client.outcomes = {"cri-containerd-e.scope": su.PENDING}
+    units.set_cpus([_target("e")])
+    client.late = {
+        "cri-containerd-e.scope": su.UnitResult(
+            "cri-containerd-e.scope", su.DENIED, SystemdError("refused", "denied")
+        )
+    }
+    client.outcomes = {}
+    units.set_cpus([_target("f")])
+    assert client.sent[-1] == ["cri-containerd-f.scope"]
+    [warning] = [r for r in records if r.get("REASON") == "late-denied"]
+    assert "after the daemon had moved on" in warning["MESSAGE"]
