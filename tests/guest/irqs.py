@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.cri import ContainerSpec, CRIError
+from harness.cri import ContainerSpec
 from harness.guest_kubelet import SystemdKubelet
 from harness.guest_vm import SCRATCH_DISK_SERIAL
 from harness.host import parse_cpu_list
@@ -140,34 +140,11 @@ def _pod(cri: SystemdKubelet, name: str, irq_free: bool) -> tuple[Any, set[int]]
     return pod, set(parse_cpu_list(_first_line(cri, pod["app"])))
 
 
-def _remove(cri: SystemdKubelet, pod: Any, result: dict[str, Any]) -> None:
-    try:
-        cri.stop(pod["app"], timeout=0)
-    except CRIError as err:
-        # Seen once in CI under TCG, after the daemon's kill -9: containerd's StopContainer
-        # got no task from the shim within 120 s.  What the node was doing is kept (the test
-        # prints it), and the stop tried once more.
-        if err.code != "DEADLINE_EXCEEDED":
-            raise
-        result.setdefault("stop_retried", []).append({"error": str(err), "node": _node_snapshot()})
-        cri.stop(pod["app"], timeout=0)
+def _remove(cri: SystemdKubelet, pod: Any) -> None:
+    cri.stop(pod["app"], timeout=0)
     cri.remove(pod["app"])
     cri.stop_pod(pod.id)
     cri.remove_pod(pod.id)
-
-
-def _node_snapshot() -> str:
-    """The runtime's processes and the last journal lines of the runtime and the daemon."""
-    ps = subprocess.run(["ps", "-eo", "pid,stat,etime,args"], capture_output=True, text=True).stdout
-    wanted = ("runc", "shim", "nri-cpuplugin", "systemctl", "containerd")
-    journal = subprocess.run(
-        ["journalctl", "--no-pager", "-n", "120", "-o", "short-monotonic"],
-        capture_output=True,
-        text=True,
-    ).stdout
-    return "\n".join(line for line in ps.splitlines() if any(w in line for w in wanted)) + (
-        "\n--- journal ---\n" + journal
-    )
 
 
 def _settled(keep: set[int], want_free: bool, timeout: float = 30.0) -> dict[str, Any]:
@@ -227,7 +204,7 @@ def irq_scenario(address: str, load_seconds: float = 20.0) -> dict[str, Any]:
             for label, cpus in (("opted", opted_cpus), ("other", other_cpus),
                                 ("pool", online - opted_cpus - other_cpus))
         }  # fmt: skip
-        _remove(cri, opted, result)
+        _remove(cri, opted)
         released = _settled(opted_cpus, False)
         result["released"] = {n: i["affinity"] for n, i in released.items()}
         result["released_default"] = _read(PROC_IRQ / "default_smp_affinity")
@@ -239,7 +216,7 @@ def irq_scenario(address: str, load_seconds: float = 20.0) -> dict[str, Any]:
         time.sleep(2)  # the restarted daemon's first look at /proc/irq is part of its start
         result["after_kill"] = {n: i["affinity"] for n, i in interrupts().items()}
         result["after_kill_default"] = _read(PROC_IRQ / "default_smp_affinity")
-        _remove(cri, again, result)
+        _remove(cri, again)
         result["restored"] = {n: i["affinity"] for n, i in _settled(again_cpus, False).items()}
         result["restored_default"] = _read(PROC_IRQ / "default_smp_affinity")
         cri.remove_all()

@@ -152,6 +152,10 @@ def _containerd(
         "state": state,
         "grpc": {"address": socket},
         "ttrpc": {"address": f"{socket}.ttrpc"},
+        # containerd gives the shim 2 s to report a task's state (`runc state`, a fork and exec
+        # of a Go binary): under emulation, on a loaded guest, that ran out once in CI and
+        # failed a StopContainer with "failed to get task ...: context deadline exceeded".
+        "timeouts": {"io.containerd.timeout.task.state": "30s"},
     }
     if minor == "1.7":
         config: dict[str, Any] = {
