@@ -49,16 +49,16 @@ class SystemdUnits:
         self._resend.clear()
         if not changes and not again:
             return failed
-        results = self.client.set_allowed(changes + again, TIMEOUT)
-        for change, result in zip(changes + again, results, strict=True):
+        sent = changes + again
+        results = self.client.set_allowed(sent, TIMEOUT)
+        for i, (change, result) in enumerate(zip(sent, results, strict=True)):
             if result.outcome == su.PENDING:
                 self._pending[change[0]] = change
             else:
                 self._pending.pop(change[0], None)
-        for cid, result in zip(ids + [None] * len(again), results, strict=True):
             if not result.ok:
-                if cid is not None:  # (a call sent again belongs to no target now)
-                    failed.append(cid)
+                if i < len(ids):  # (a call sent again belongs to no target now)
+                    failed.append(ids[i])
                 self._warn(result.outcome, str(result.error))
         return failed
 

@@ -67,14 +67,21 @@ def scope(fake: FakeV2, ctr, slice_: str, effective: str, **files: str) -> str:
     return path
 
 
-def test_a_shared_container_moves_through_systemd_and_no_reply_carries_it(tmp_path, systemd):
-    bus, fake_systemd = systemd
-    plugin, fake = node(tmp_path, bus.socket)
+def running_shared(plugin: Driver, fake: FakeV2):
+    """A Burstable container of the systemd driver, created and started on the whole pool;
+    the container and its scope's cgroup."""
     web = pod("web", "burstable")
     nginx = container("nginx", web, 500)
     path = scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
     plugin.create_container(web, nginx)
     plugin.start_container(web, nginx)
+    return nginx, path
+
+
+def test_a_shared_container_moves_through_systemd_and_no_reply_carries_it(tmp_path, systemd):
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, path = running_shared(plugin, fake)
     db = pod("db")
     adjust, updates = plugin.create_container(db, container("pg", db, 2000))
     assert adjust.linux.resources.cpu.cpus == "1,25"
@@ -110,11 +117,7 @@ def test_a_slow_systemds_units_stay_with_systemd_not_the_reply(tmp_path, systemd
     is not asked for a ``runc update`` through the same busy systemd."""
     bus, fake_systemd = systemd
     plugin, fake = node(tmp_path, bus.socket)
-    web = pod("web", "burstable")
-    nginx = container("nginx", web, 500)
-    path = scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL)
-    plugin.create_container(web, nginx)
-    plugin.start_container(web, nginx)
+    nginx, path = running_shared(plugin, fake)
     seen = len(fake_systemd.calls())
     fake_systemd.stall()
     try:
