@@ -293,6 +293,9 @@ class FakeUnits:
             self.systemd.set_allowed(path, target.cpus)
         return failed
 
+    def take_refused(self) -> list[str]:
+        return []  # FAKE systemd answers every call at once
+
 
 # --- kubelet's pods -------------------------------------------------------------------------------
 

@@ -37,6 +37,8 @@ class Routes:
             return []
         with self.progress.phase(CGROUPS):
             failed = set(self.writer.write(cgroup_target(t, state) for t in targets))
+        # refused by systemd since an earlier write returned: owed like any other
+        self.owed.add(self.writer.take_refused())
         return [t for t in targets if t.container_id in failed]
 
     def writable(self, target: Target, state: NodeState) -> bool:

@@ -31,6 +31,9 @@ class Units(Protocol):
     def set_cpus(self, targets: list[cpusets.Target]) -> list[str]:
         """Returns the ids of the targets that could not be set."""
 
+    def take_refused(self) -> list[str]:
+        """The ids of targets systemd refused after ``set_cpus`` had returned, each told once."""
+
 
 class CgroupWriter:
     def __init__(self, liveness: Liveness, audit: Audit, units: Units | None = None) -> None:
@@ -76,7 +79,9 @@ class CgroupWriter:
                 runtime.append(target.container_id)
         if not direct:
             return runtime
-        failed = self._set_units(direct) | self._write_files(direct)
+        # the files first: they hold the cpusets at once, whatever systemd takes to answer
+        failed = self._write_files(direct)
+        failed |= self._set_units(direct)
         return runtime + [t.container_id for t in direct if t.container_id in failed]
 
     def _set_units(self, targets: list[cpusets.Target]) -> set[str]:
@@ -85,6 +90,10 @@ class CgroupWriter:
         if self.units is None or not units:
             return set()
         return set(self.units.set_cpus(units))
+
+    def take_refused(self) -> list[str]:
+        """Containers systemd refused after ``write`` had returned: the runtime's to apply."""
+        return self.units.take_refused() if self.units is not None else []
 
     def _write_files(self, targets: list[cpusets.Target]) -> set[str]:
         """The cgroup files; the ids whose write failed.  Most of them (a creation on a dense
@@ -116,9 +125,10 @@ class CgroupWriter:
             return ["no cgroup filesystem found"]
         if not self.can_write(target.runtime_path):
             return [f"its cgroup {target.runtime_path!r} is not one this daemon writes"]
+        errors = cpusets.move(layout, [target], self._unbalanced, self._files).errors
         if self.units is not None and self.units.set_cpus([self._with_mems(target)]):
-            return [f"systemd did not take the CPUs of {target.runtime_path!r}"]
-        return cpusets.move(layout, [target], self._unbalanced, self._files).errors
+            errors.append(f"systemd did not take the CPUs of {target.runtime_path!r}")
+        return errors
 
     def for_runtime(self, target: Target, runtime_path: str) -> Target:
         """``target`` as a reply carries it: the runtime writes this cgroup now, so what we

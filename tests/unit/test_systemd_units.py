@@ -584,7 +584,8 @@ def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> No
     assert units.set_cpus([_target("c")]) == []
     assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-b.scope"]
     assert units.set_cpus([_target("d")]) == [] and client.sent[-1] == ["cri-containerd-d.scope"]
-    # a late refusal is logged (once), and not sent again
+    assert units.take_refused() == []
+    # a late refusal is logged (once), not sent again, and handed to the runtime
     client.outcomes = {"cri-containerd-e.scope": su.PENDING}
     units.set_cpus([_target("e")])
     client.late = {
@@ -597,3 +598,18 @@ def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> No
     assert client.sent[-1] == ["cri-containerd-f.scope"]
     [warning] = [r for r in records if r.get("REASON") == "late-denied"]
     assert "after the daemon had moved on" in warning["MESSAGE"]
+    assert units.take_refused() == ["e"] and units.take_refused() == []
+
+
+def test_a_resent_call_that_fails_again_is_the_runtimes_and_a_late_gone_is_nobodys() -> None:
+    units = SystemdUnits(Audit(lambda record: None), "/nonexistent")
+    units.client = client = ScriptedClient()
+    client.outcomes = {f"cri-containerd-{c}.scope": su.PENDING for c in "ab"}
+    assert units.set_cpus([_target("a"), _target("b")]) == []
+    lost = su.UnitResult("cri-containerd-a.scope", su.UNREACHABLE, SystemdError("closed", "x"))
+    gone = su.UnitResult("cri-containerd-b.scope", su.GONE, SystemdError("NoSuchUnit", "x"))
+    client.late = {"cri-containerd-a.scope": lost, "cri-containerd-b.scope": gone}
+    client.outcomes = {"cri-containerd-a.scope": su.UNREACHABLE}
+    assert units.set_cpus([_target("c")]) == []  # c was set; a, sent again, failed again
+    assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-a.scope"]
+    assert units.take_refused() == ["a"]  # b's container is gone: nothing to apply
