@@ -2,9 +2,10 @@
 PID 1, cgroup v2, containerd 2.3.4 on runc's systemd driver, with the daemon and without.
 
 Under TCG every absolute time is about 10x the host's, and other work on the host moves it:
-only ratios taken in the same run mean something, so the two sides alternate within every
-round (which one goes first alternates too) on the same runtime and the same running shared
-containers; the daemon is started for the plugin side and stopped for the other.
+only ratios taken in the same run mean something, so the three sides - the daemon, a plugin
+that changes nothing (noop_plugin.py: the floor of any NRI plugin on this node) and no plugin -
+take turns within every round (which one goes first rotates too) on the same runtime and the
+same running shared containers; the daemon is started for its side and stopped for the others.
 
 Beside the times: the runtime's ``runc update`` calls per start, by target (containerd's runc is
 the counting wrapper of runc_calls.py, in this benchmark only), and the window - shared
@@ -20,9 +21,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from harness import guest_runtimes, guest_vm
-from harness.guest import Guest
+from harness.guest import Guest, GuestError
 from harness.guest_node import GuestNode
-from harness.guest_runtimes import RUNC
+from harness.guest_runtimes import NRI_SOCKET, RUNC
 
 from . import runc_calls
 from .stats import summary
@@ -32,6 +33,7 @@ COUNTING_RUNC = "/usr/local/sbin/nri-bench-runc"
 RUNC_LOG = "/run/nri-bench-runc.log"
 # Seconds a pod start may take in the guest (a Burstable one while the cell's pods start).
 POD_START_BUDGET = 30.0
+SIDES = ("plugin", "noop", "none")
 
 
 def bench_guest_pod_starts(
@@ -91,26 +93,50 @@ def bench_guest_pod_starts(
 def _cell_rounds(
     guest: Guest, node: GuestNode, address: str, count: int, rounds: int, log_end: int
 ) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    samples: dict[str, list[dict[str, Any]]] = {"plugin": [], "none": []}
+    samples: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for i in range(rounds):
-        for side in ("plugin", "none") if i % 2 else ("none", "plugin"):
+        for side in SIDES[i % 3 :] + SIDES[: i % 3]:
+            label = f"{count}-{i}-{side}"
             if side == "plugin":
                 node.start_daemon()
             else:
                 node.stop_daemon()
-            sample = guest.call(
-                "bench.guest_side:timed_guaranteed_start",
-                timeout=600,
-                address=address,
-                label=f"{count}-{i}-{side}",
-                pinned=side == "plugin",
-                runc_log=RUNC_LOG,
-                since=log_end,
-            )
+            noop = _start_noop(guest, label) if side == "noop" else None
+            try:
+                sample = guest.call(
+                    "bench.guest_side:timed_guaranteed_start",
+                    timeout=600,
+                    address=address,
+                    label=label,
+                    pinned=side == "plugin",
+                    runc_log=RUNC_LOG,
+                    since=log_end,
+                )
+            finally:
+                if noop:
+                    guest.run(["systemctl", "stop", noop], timeout=120)
             log_end = sample["log_end"]
             print(f"[guest bench] {count} shared, round {i}, {side}: {sample}", flush=True)
             samples[side].append(sample)
     return samples, log_end
+
+
+def _start_noop(guest: Guest, label: str, timeout: float = 120.0) -> str:
+    """The plugin that changes nothing, started as a transient unit of its own (a new name each
+    time, so its journal holds one "ready"); returns the unit once it has registered."""
+    unit = f"nri-bench-noop-{label}.service"
+    env = [f"--setenv={k}={v}" for k, v in guest.python_env().items()]
+    argv = ["systemd-run", f"--unit={unit}", "--collect", *env]
+    started = guest.run([*argv, "/usr/bin/python3", "-m", "bench.noop_plugin", NRI_SOCKET])
+    if not started.ok:
+        raise GuestError(f"the no-op plugin did not start: {started.describe()}")
+    deadline = time.monotonic() + timeout
+    while "ready" not in guest.run(["journalctl", "-o", "cat", "-u", unit], timeout=60).stdout:
+        if time.monotonic() > deadline:
+            guest.run(["systemctl", "stop", unit], timeout=120)
+            raise GuestError(f"the no-op plugin did not register in {timeout} s")
+        time.sleep(1)
+    return unit
 
 
 def _totals(counts: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -121,7 +147,7 @@ def _totals(counts: Iterable[dict[str, int]]) -> dict[str, int]:
 
 
 def cell_summary(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One cell from its measured samples (both sides), for the guest and the host alike."""
+    """One cell from its measured samples (every side), for the guest and the host alike."""
     cell: dict[str, Any] = {}
     for side, rows in samples.items():
         windows = [r["window_s"] for r in rows]
@@ -156,25 +182,35 @@ def _ms(s: dict[str, Any]) -> str:
 
 
 def table(cells: dict[int, dict[str, Any]]) -> list[str]:
+    """Plugin against no plugin; where the cells have a no-op side, its ratios beside."""
+    noop = all("noop" in cell for cell in cells.values())
+    extra = " | no-op ratio" if noop else ""
     out = [
-        "| shared containers | pod start, plugin (median / max) | no plugin | ratio "
-        "| CreateContainer, plugin (median / max) | no plugin | ratio "
+        f"| shared containers | pod start, plugin (median / max) | no plugin | ratio{extra} "
+        f"| CreateContainer, plugin (median / max) | no plugin | ratio{extra} "
         "| runc updates per start, plugin (on shared) | no plugin | window: found / open "
         "| misplaced |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (11 + 2 * noop) + "|",
     ]
     for count, cell in sorted(cells.items()):
         p, n = cell["plugin"], cell["none"]
-        ratio = {k: p[k]["median_ms"] / n[k]["median_ms"] for k in ("pod_start_s", "create_s")}
         window = "-" if p["window_max_s"] is None else f"{p['window_max_s']:.2f} s"
         out.append(
-            f"| {count} | {_ms(p['pod_start_s'])} | {_ms(n['pod_start_s'])} | "
-            f"{ratio['pod_start_s']:.2f} | {_ms(p['create_s'])} | {_ms(n['create_s'])} | "
-            f"{ratio['create_s']:.2f} | {_per_start(p['updates_start'], p['n'])} | "
+            f"| {count} | {_columns(cell, 'pod_start_s', noop)} | "
+            f"{_columns(cell, 'create_s', noop)} | {_per_start(p['updates_start'], p['n'])} | "
             f"{_per_start(n['updates_start'], n['n'])} | {p['on_cpu_first']} / {window} | "
             f"{p['n'] - p['one_cpu']} |"
         )
     return out
+
+
+def _columns(cell: dict[str, Any], key: str, noop: bool) -> str:
+    """Plugin, no plugin, their ratio, and the no-op's ratio where there is one."""
+    none = cell["none"][key]["median_ms"]
+    ratios = [cell[side][key]["median_ms"] / none for side in ("plugin", "noop")[: 1 + noop]]
+    return " | ".join(
+        [_ms(cell["plugin"][key]), _ms(cell["none"][key]), *(f"{r:.2f}" for r in ratios)]
+    )
 
 
 def targets(cells: dict[int, dict[str, Any]]) -> str:
@@ -205,9 +241,11 @@ def lines(report: dict[str, Any], host: dict[str, Any] | None = None) -> list[st
         f"containerd 2.3.4 with runc 1.1.5's systemd driver (`SystemdCgroup = true`), pods "
         f"placed as kubelet's systemd driver places them. A 1-CPU Guaranteed pod is started "
         f"(RunPodSandbox, CreateContainer, StartContainer, each timed) and removed with the "
-        f"daemon (packaging's unit) and without it, the two sides alternating within each of "
-        f"{report['rounds']} measured rounds after a warm-up round (the daemon started for its "
-        f"side and stopped for the other), beside *n* running Burstable pods of one container "
+        f"daemon (packaging's unit), with a plugin that subscribes to CreateContainer and changes "
+        f"nothing (*no-op ratio*: the floor of any NRI plugin on this node, against no plugin) "
+        f"and with no plugin, the three sides taking turns within each of {report['rounds']} "
+        f"measured rounds after a warm-up round (the daemon started for its side and stopped "
+        f"for the others), beside *n* running Burstable pods of one container "
         f"each. Under emulation absolute times are about 10x the host's and move with the "
         f"host's load: read the ratios (medians; with {report['rounds']} samples a side the "
         f"p99 is the max). Whole run: {report['total_s'] / 60:.0f} min.",
