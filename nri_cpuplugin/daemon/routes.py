@@ -37,8 +37,6 @@ class Routes:
             return []
         with self.progress.phase(CGROUPS):
             failed = set(self.writer.write(cgroup_target(t, state) for t in targets))
-        # refused by systemd since an earlier write returned: owed like any other
-        self.owed.add(self.writer.take_refused())
         return [t for t in targets if t.container_id in failed]
 
     def writable(self, target: Target, state: NodeState) -> bool:
@@ -69,6 +67,9 @@ class Routes:
     ) -> list[Target]:
         """What is owed, for the reply being made (each goes out once); ``carried``: the
         containers that reply deals with already, or must not list."""
+        # what systemd refused after an earlier write had returned is owed like the rest (one
+        # this reply deals with was written, and asked of systemd, once more)
+        self.owed.add(self.writer.take_refused())
         return [t for cid in self.owed.drain(carried) for t in engine.update(state, cid).targets]
 
     def for_reply(self, targets: Iterable[Target], state: NodeState) -> list[Target]:

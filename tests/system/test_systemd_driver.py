@@ -134,6 +134,45 @@ def test_a_slow_systemds_units_stay_with_systemd_not_the_reply(tmp_path, systemd
     plugin.close()
 
 
+def test_the_cgroup_files_hold_a_change_before_systemd_is_asked(tmp_path, systemd):
+    """The files first, then the calls: the cpusets hold however long systemd takes."""
+    bus, _ = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, path = running_shared(plugin, fake)
+    units = plugin.daemon.node.writer.units
+    asked, set_cpus = [], units.set_cpus
+
+    def watched(targets):
+        asked.append((fake.read(path, "cpuset.cpus"), [t.container_id for t in targets]))
+        return set_cpus(targets)
+
+    units.set_cpus = watched
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))
+    assert asked == [(POOL, [nginx.id])]
+    plugin.close()
+
+
+def test_a_refusal_systemd_sends_late_is_owed_to_the_runtimes_next_reply(tmp_path, systemd):
+    """What systemd refuses after the batch's wait (``take_refused``) goes to the runtime in
+    the next reply that can carry updates, like any other owed target."""
+    bus, _ = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, _ = running_shared(plugin, fake)
+    units = plugin.daemon.node.writer.units
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))  # nginx moved: written, asked
+    refused = [nginx.id]
+    units.take_refused = lambda: [refused.pop()] if refused else []
+    web = pod("web2", "burstable")
+    _, updates = plugin.create_container(web, container("php", web, 500))  # moves nobody
+    assert [(u.container_id, u.linux.resources.cpu.cpus) for u in updates] == [(nginx.id, POOL)]
+    other = pod("other")
+    _, updates = plugin.create_container(other, container("app", other, 500))
+    assert nginx.id not in [u.container_id for u in updates]  # owed once
+    plugin.close()
+
+
 def test_what_systemd_does_not_take_the_runtime_applies(tmp_path, systemd):
     """A unit systemd refuses (here: the FAKE's ``-denied`` name) goes into the reply, for the
     runtime's own ``runc update``; said once."""
