@@ -274,12 +274,14 @@ class FakeSystemd:
 
 class FakeUnits:
     """The daemon's ``Units`` (daemon/writer.py) on FAKE systemd, in place of the D-Bus client
-    (daemon/units.py): a unit whose scope does not exist (yet), or that refuses, is not set."""
+    (daemon/units.py): a unit whose scope does not exist (yet), or that refuses, is not set;
+    one that is, is released after (systemd holds no cpuset for it any more)."""
 
     def __init__(self, systemd: FakeSystemd) -> None:
         self.systemd = systemd
 
     def set_cpus(self, targets: list[cpusets.Target]) -> list[str]:
+        """Each unit's cpuset set, then released (daemon/units.py: handed over to the files)."""
         failed = []
         for target in targets:
             path = cgroup_path(target.runtime_path)
@@ -291,10 +293,17 @@ class FakeUnits:
                 failed.append(target.container_id)
                 continue
             self.systemd.set_allowed(path, target.cpus)
+            self.systemd.forget(path)
         return failed
 
     def take_refused(self) -> list[str]:
         return []  # FAKE systemd answers every call at once
+
+    def forget(self, container_id: str) -> None:
+        pass  # (asks every time: what is bare is FAKE systemd's to know)
+
+    def keep_only(self, container_ids: set[str]) -> None:
+        pass
 
 
 # --- kubelet's pods -------------------------------------------------------------------------------

@@ -211,6 +211,8 @@ def after_update(node: Node, event: ev.UpdatedContainer, deliver: Deliver = keep
     (another pod's earmark, an exclusive creation) shrank the pool our answer named, and the
     runtime just put the container back on it.  Set right now, whatever the order was."""
     cid = event.workload.container_id
+    if event.stored.cpus:  # (runc's update set them as the systemd driver's unit properties)
+        node.writer.runtime_wrote(cid)
     [*targets] = node.engine.update(node.state, cid).targets
     if not targets:
         return NO_EFFECTS

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,8 +45,11 @@ class Daemon:
     ) -> None:
         self.audit = audit
         if units is None:
-            path = bus_path(merge(settings, flags or {}).systemd_bus)
-            units = SystemdUnits(audit, path) if path is not None else None
+            merged = merge(settings, flags or {})
+            path = bus_path(merged.systemd_bus)
+            # systemd's unit files are read where the machine's root is: above its sysfs
+            root = os.path.dirname(merged.sysfs.rstrip("/")) or "/"
+            units = SystemdUnits(audit, path, root) if path is not None else None
         self.worker = Worker()
         self.pod_nics = PodNICs()
         self.node = Node(

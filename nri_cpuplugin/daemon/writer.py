@@ -6,9 +6,9 @@ the node writes what it can here, and only what this writer cannot write goes in
 is owed to the next one (docs/architecture.md, "Shared containers on dense nodes").
 
 This writer serves containers of the cgroupfs driver.  A container of the systemd driver is a
-unit whose cpuset systemd re-applies from the unit's properties (``daemon-reload``): written
-only behind systemd's back it would move back, so it is left to the runtime unless ``units``
-can change the unit's properties too (daemon/units.py).
+unit whose cpuset systemd re-applies from the unit's properties (``daemon-reload``) while it
+holds one: written only behind systemd's back it would move back, so it is left to the runtime
+unless ``units`` can make systemd hold none (daemon/units.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ class Units(Protocol):
 
     def take_refused(self) -> list[str]:
         """The ids of targets systemd refused after ``set_cpus`` had returned, each told once."""
+
+    def forget(self, container_id: str) -> None:
+        """The runtime gives the container's unit a cpuset now, or the container is gone."""
+
+    def keep_only(self, container_ids: set[str]) -> None:
+        """Forget every container but these."""
 
 
 class CgroupWriter:
@@ -126,7 +132,7 @@ class CgroupWriter:
         if not self.can_write(target.runtime_path):
             return [f"its cgroup {target.runtime_path!r} is not one this daemon writes"]
         errors = cpusets.move(layout, [target], self._unbalanced, self._files).errors
-        if self.units is not None and self.units.set_cpus([self._with_mems(target)]):
+        if self._set_units([target]):
             errors.append(f"systemd did not take the CPUs of {target.runtime_path!r}")
         return errors
 
@@ -134,10 +140,18 @@ class CgroupWriter:
         """``target`` as a reply carries it: the runtime writes this cgroup now, so what we
         last wrote there no longer says what is; a target that gives a container its parent's
         memory nodes names them (the runtime has no such notion)."""
-        self._files.written_elsewhere(target.container_id)
+        self.runtime_wrote(target.container_id)
         if target.mems_from_parent and not target.mems:
             target = target.evolve(mems=self._parent_mems(runtime_path))
         return target
+
+    def runtime_wrote(self, container_id: str) -> None:
+        """The runtime has written (or is given to write) the container's cpuset: what we last
+        wrote there no longer says what is, and the systemd driver's unit holds a cpuset
+        again (runc sets it)."""
+        self._files.written_elsewhere(container_id)
+        if self.units is not None:
+            self.units.forget(container_id)
 
     def _parent_mems(self, runtime_path: str) -> CPUSet | None:
         """The memory nodes of the container's parent cgroup (its pod's), or - when its cgroup
@@ -171,10 +185,14 @@ class CgroupWriter:
         """Drop what ``prepare_shared`` holds for a container that is gone."""
         self._unbalanced.discard(container_id)
         self._files.forget(container_id)
+        if self.units is not None:
+            self.units.forget(container_id)
 
     def keep_only(self, container_ids: set[str]) -> None:
         self._unbalanced &= container_ids
         self._files.keep_only(container_ids)
+        if self.units is not None:
+            self.units.keep_only(container_ids)
 
     def grow_ancestors(self, runtime_paths: Iterable[str], cpus: CPUSet) -> None:
         """Give CPUs that came back online to the ancestors of these cgroups (cgroup v1 gives

@@ -27,7 +27,7 @@ from .systemd_units import (
     UnitResult,
     check_unit_name,
     classify,
-    cpu_mask,
+    masks,
     set_allowed_call,
 )
 
@@ -126,11 +126,7 @@ class Conversation:
         batch = Batch()
         for unit, cpus, mems in changes:
             try:
-                call = (
-                    check_unit_name(unit),
-                    cpu_mask(cpus),
-                    None if mems is None else cpu_mask(mems),
-                )
+                call = (check_unit_name(unit), *masks(cpus, mems))
             except SystemdError as e:
                 batch.results[_key(unit)] = UnitResult(_key(unit), FAILED, e)
                 continue

@@ -9,7 +9,9 @@ change to such a container is also made on the unit, as runc does: one
 ``org.freedesktop.systemd1.Manager.SetUnitProperties(name, runtime=true, [AllowedCPUs,
 AllowedMemoryNodes])`` call per unit (docs/cgroups-and-hooks.md §21 has the facts and their
 sources).  systemd applies it to the cgroup before it answers and keeps it as a drop-in under
-``/run/systemd/transient``; the caller still writes the cgroup files as before.
+``/run/systemd/transient``; the caller still writes the cgroup files as before.  The same call
+with both sets empty *releases* the unit: systemd then holds no cpuset for it and never writes
+one into its cgroup again (``masks``; the daemon's hand-over, daemon/units.py).
 
 Unit names come from the runtime (a container's cgroupsPath) and are checked against systemd's
 unit name rules before they go on the bus.  Each unit's call ends in a ``UnitResult``: set, or
@@ -146,6 +148,18 @@ def cpu_mask(cpus: Iterable[int]) -> bytes:
             "cpu-mask",
         ) from None
     return bits.to_bytes(high // 8 + 1, "little")
+
+
+def masks(cpus: Iterable[int], mems: Iterable[int] | None) -> tuple[bytes, bytes | None]:
+    """A call's ``ay`` masks (``cpu_mask``; mems None: not sent) - or, for a *release* (both
+    sets given and empty), two empty arrays: systemd then holds no cpuset for the unit, and
+    writes none into its cgroup again (docs/cgroups-and-hooks.md §21, "Units without a
+    cpuset"); the cgroup files keep what was last written to them."""
+    cpu_ids = set(cpus)
+    mem_ids = None if mems is None else set(mems)
+    if mem_ids is not None and not cpu_ids and not mem_ids:
+        return b"", b""
+    return cpu_mask(cpu_ids), None if mem_ids is None else cpu_mask(mem_ids)
 
 
 def set_allowed_call(serial: int, unit: str, cpus: bytes, mems: bytes | None) -> bytes:

@@ -56,15 +56,35 @@ def node(tmp_path, bus: str, **settings) -> tuple[Driver, FakeV2]:
     return plugin, fake
 
 
-def scope(fake: FakeV2, ctr, slice_: str, effective: str, **files: str) -> str:
+def scope(fake: FakeV2, ctr, slice_: str, effective: str, held: bool = True, **files: str) -> str:
     """``ctr`` as the systemd driver places it; its scope's cgroup in the fake tree (whose
-    effective sets are what the test says the kernel will apply)."""
+    effective sets are what the test says the kernel will apply), and the transient unit file
+    systemd keeps for it: with ``AllowedCPUs`` as runc gives a container created with a cpuset
+    in its spec (``held``), or with none."""
     ctr.linux.cgroups_path = f"{slice_}:cri-containerd:{ctr.id}"
     parts = slice_.removesuffix(".slice").split("-")
     slices = ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
-    path = "/".join([*slices, f"cri-containerd-{ctr.id}.scope"])
+    unit = f"cri-containerd-{ctr.id}.scope"
+    path = "/".join([*slices, unit])
     fake.mk(path, effective=effective, **files)
+    transient = fake.root.parent.parent.parent / "run" / "systemd" / "transient"
+    transient.mkdir(parents=True, exist_ok=True)
+    (transient / unit).write_text("[Scope]\nDelegate=yes\n" + (f"AllowedCPUs={effective}\n" * held))
     return path
+
+
+def calls_for(fake_systemd: FakeSystemd, ctr) -> list[list]:
+    """The properties of each call made for the container's unit, in order."""
+    unit = f"cri-containerd-{ctr.id}.scope"
+    return [c["properties"] for c in fake_systemd.calls() if c["unit"] == unit]
+
+
+def cpus_of(properties: list) -> set[int]:
+    mask = int.from_bytes(bytes.fromhex(properties[0][2]), "little")
+    return {cpu for cpu in range(48) if mask >> cpu & 1}
+
+
+RELEASE = [["AllowedCPUs", "ay", ""], ["AllowedMemoryNodes", "ay", ""]]
 
 
 def running_shared(plugin: Driver, fake: FakeV2):
@@ -79,34 +99,67 @@ def running_shared(plugin: Driver, fake: FakeV2):
 
 
 def test_a_shared_container_moves_through_systemd_and_no_reply_carries_it(tmp_path, systemd):
+    """The first change to a unit runc gave a cpuset (here: set right at its start, the kernel
+    having applied another): set through systemd (a re-apply meanwhile puts the new one back),
+    then released; from then on the cgroup file alone, which systemd no longer touches."""
     bus, fake_systemd = systemd
     plugin, fake = node(tmp_path, bus.socket)
     nginx, path = running_shared(plugin, fake)
+    [set_, release] = calls_for(fake_systemd, nginx)
+    assert set_[0][0] == "AllowedCPUs" and cpus_of(set_) == set(range(48))
+    assert release == RELEASE
     db = pod("db")
     adjust, updates = plugin.create_container(db, container("pg", db, 2000))
     assert adjust.linux.resources.cpu.cpus == "1,25"
     assert list(updates) == []  # no runc update for the shared container
     assert fake.read(path, "cpuset.cpus") == POOL
-    *_, call = [c for c in fake_systemd.calls() if c["unit"] == f"cri-containerd-{nginx.id}.scope"]
-    assert call["runtime"] is True and call["properties"][0][0] == "AllowedCPUs"
-    mask = int.from_bytes(bytes.fromhex(call["properties"][0][2]), "little")
-    assert {cpu for cpu in range(48) if mask >> cpu & 1} == set(range(48)) - {1, 25}
+    assert len(calls_for(fake_systemd, nginx)) == 2  # bare: written directly
+    plugin.close()
+
+
+def test_the_runtimes_cpuset_makes_a_unit_systemds_again(tmp_path, systemd):
+    """A container the runtime gave a cpuset after the hand-over (an update's reply, whose
+    ``runc update`` sets AllowedCPUs): its next change goes through systemd again."""
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, _ = running_shared(plugin, fake)
+    assert len(calls_for(fake_systemd, nginx)) == 2  # handed over at its start
+    nginx.linux.resources.cpu.cpus = "0-47"
+    plugin.post_update_container(pod("web", "burstable"), nginx)  # (set right: the kernel's
+    calls = calls_for(fake_systemd, nginx)  # effective set is not the spec's in this tree)
+    assert len(calls) == 4 and cpus_of(calls[2]) == set(range(48)) and calls[3] == RELEASE
+    plugin.close()
+
+
+def test_a_unit_created_without_a_cpuset_is_never_asked(tmp_path, systemd):
+    """A container whose spec had no cpuset (created before the daemon ran, say): systemd
+    holds none for its unit, so the cgroup file is all there is to write."""
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    path = scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL, held=False)
+    plugin.create_container(web, nginx)
+    plugin.start_container(web, nginx)
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))
+    assert list(updates) == [] and fake.read(path, "cpuset.cpus") == POOL
+    assert calls_for(fake_systemd, nginx) == []
     plugin.close()
 
 
 def test_pinning_at_start_serves_the_systemd_driver(tmp_path, systemd):
-    """``[nri] pin_at = "start"`` writes the container's own cgroup: with systemd reachable it
-    sets the scope's properties too, so it is served, not refused."""
+    """``[nri] pin_at = "start"`` writes the container's own cgroup: its unit, created with no
+    cpuset in its spec, holds none, so the write is one systemd keeps; served, not refused."""
     bus, fake_systemd = systemd
     plugin, fake = node(tmp_path, bus.socket, nri_pin_at="start")
     db = guaranteed_pod("db", 2000)
     pg = container("pg", db, 2000)
-    path = scope(fake, pg, "kubepods-poddb.slice", effective="1,25", mems_effective="0")
+    path = scope(fake, pg, "kubepods-poddb.slice", effective="1,25", held=False, mems_effective="0")
     plugin.run_pod_sandbox(db)
     plugin.start_container(db, pg)
-    assert fake.read(path, "cpuset.cpus") == "1,25"
-    [call] = [c for c in fake_systemd.calls() if c["unit"] == f"cri-containerd-{pg.id}.scope"]
-    assert [name for name, _, _ in call["properties"]] == ["AllowedCPUs", "AllowedMemoryNodes"]
+    assert fake.read(path, "cpuset.cpus") == "1,25" and fake.read(path, "cpuset.mems") == "0"
+    assert calls_for(fake_systemd, pg) == []
     assert plugin.state.assignments[pg.id].cpus == {1, 25}
     plugin.close()
 
@@ -118,6 +171,7 @@ def test_a_slow_systemds_units_stay_with_systemd_not_the_reply(tmp_path, systemd
     bus, fake_systemd = systemd
     plugin, fake = node(tmp_path, bus.socket)
     nginx, path = running_shared(plugin, fake)
+    plugin.daemon.node.writer.units.forget(nginx.id)  # systemd's again (a runc update, say)
     seen = len(fake_systemd.calls())
     fake_systemd.stall()
     try:
@@ -128,8 +182,9 @@ def test_a_slow_systemds_units_stay_with_systemd_not_the_reply(tmp_path, systemd
     assert adjust.linux.resources.cpu.cpus == "1,25"
     assert list(updates) == []
     assert fake.read(path, "cpuset.cpus") == POOL
-    late = fake_systemd.wait_calls(seen + 1)[seen:]
-    assert [c["unit"] for c in late] == [f"cri-containerd-{nginx.id}.scope"]
+    late = fake_systemd.wait_calls(seen + 2)[seen:]
+    assert [c["unit"] for c in late] == [f"cri-containerd-{nginx.id}.scope"] * 2
+    assert late[1]["properties"] == RELEASE
     assert plugin.records.of("systemd") == []  # pending is no failure
     plugin.close()
 

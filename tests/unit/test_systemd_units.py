@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -32,6 +33,7 @@ from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
 from nri_cpuplugin.hardware.systemd_client import SystemdClient
 from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
 from nri_cpuplugin.hardware.systemd_units import SystemdError
+from nri_cpuplugin.hardware.unit_config import holds_cpuset
 from nri_cpuplugin.ops.audit import Audit
 
 # --- unit names -------------------------------------------------------------------------------
@@ -544,16 +546,20 @@ def test_connecting_ahead_of_the_calls(peer) -> None:
 
 class ScriptedClient:
     """The edge: answers each unit with the outcome the test gives (default SET), and hands out
-    late answers as ``take_late`` would."""
+    late answers as ``take_late`` would; the sets and the releases sent, batch by batch."""
 
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}
+        self.release_outcomes: dict[str, str] = {}
         self.late: dict[str, su.UnitResult] = {}
         self.sent: list[list[str]] = []
+        self.released: list[list[str]] = []
 
     def set_allowed(self, changes, timeout):
-        self.sent.append([unit for unit, *_ in changes])
-        return [su.UnitResult(u, self.outcomes.get(u, su.SET)) for u, *_ in changes]
+        release = all(not cpus and mems is not None and not mems for _, cpus, mems in changes)
+        (self.released if release else self.sent).append([unit for unit, *_ in changes])
+        outcomes = {**self.outcomes, **self.release_outcomes} if release else self.outcomes
+        return [su.UnitResult(u, outcomes.get(u, su.SET)) for u, *_ in changes]
 
     def take_late(self):
         late, self.late = self.late, {}
@@ -567,13 +573,70 @@ def _target(cid: str, cpus: str = "0-3") -> Target:
     return Target(cid, f"kubepods.slice:cri-containerd:{cid}", CPUSet.parse(cpus))
 
 
-def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> None:
-    records: list[dict] = []
-    units = SystemdUnits(Audit(records.append), "/nonexistent")
+def _scopes(root: Path, cids: str, line: str = "AllowedCPUs=0-7") -> str:
+    """A machine root whose transient scopes (runc's, one per container id) say ``line``."""
+    transient = root / "run" / "systemd" / "transient"
+    transient.mkdir(parents=True, exist_ok=True)
+    for cid in cids:
+        (transient / f"cri-containerd-{cid}.scope").write_text(f"[Scope]\n{line}\n")
+    return str(root)
+
+
+def _units(root: str, records: list[dict] | None = None) -> tuple[SystemdUnits, ScriptedClient]:
+    sink = records.append if records is not None else (lambda record: None)
+    units = SystemdUnits(Audit(sink), "/nonexistent", root)
     units.client = client = ScriptedClient()
+    return units, client
+
+
+def test_a_unit_is_set_then_released_once_and_written_directly_from_then_on(tmp_path) -> None:
+    units, client = _units(_scopes(tmp_path, "a"))
+    assert units.set_cpus([_target("a")]) == []
+    assert (client.sent, client.released) == (
+        [["cri-containerd-a.scope"]],
+        [["cri-containerd-a.scope"]],
+    )
+    assert units.set_cpus([_target("a", "0-2")]) == []  # bare: the files are enough
+    assert len(client.sent) == len(client.released) == 1
+    units.forget("a")  # the runtime gave it a cpuset (runc update): systemd's again
+    units.set_cpus([_target("a", "0-1")])
+    assert len(client.sent) == len(client.released) == 2
+
+
+def test_a_unit_that_holds_no_cpuset_is_never_asked(tmp_path) -> None:
+    root = _scopes(tmp_path, "a", line="CPUWeight=10")  # created with none in its spec
+    _scopes(tmp_path, "b")
+    dropins = tmp_path / "run/systemd/transient/cri-containerd-b.scope.d"
+    dropins.mkdir()  # b was handed over by an earlier run of the daemon
+    (dropins / "50-AllowedCPUs.conf").write_text("[Scope]\nAllowedCPUs=\nAllowedCPUs=\n")
+    units, client = _units(root)
+    assert units.set_cpus([_target("a"), _target("b")]) == []
+    assert client.sent == client.released == []
+
+
+def test_a_refused_set_is_not_released_and_a_refused_release_is_tried_again(tmp_path) -> None:
+    records: list[dict] = []
+    units, client = _units(_scopes(tmp_path, "ab"), records)
+    client.outcomes = {"cri-containerd-a.scope": su.DENIED}
+    assert units.set_cpus([_target("a")]) == ["a"] and client.released == []
+    client.outcomes = {}
+    client.release_outcomes = {"cri-containerd-b.scope": su.FAILED}
+    assert units.set_cpus([_target("b")]) == []  # set: the cpuset is right, and systemd's
+    [warning] = [r for r in records if r.get("REASON") == "release-failed"]
+    assert "asked again at the next change" in warning["MESSAGE"]
+    client.release_outcomes = {}
+    units.set_cpus([_target("b", "0-1")])
+    assert client.sent[-1] == client.released[-1] == ["cri-containerd-b.scope"]
+    assert len(client.released) == 2
+
+
+def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again(tmp_path) -> None:
+    records: list[dict] = []
+    units, client = _units(_scopes(tmp_path, "abcdef"), records)
     client.outcomes = {"cri-containerd-a.scope": su.PENDING, "cri-containerd-b.scope": su.PENDING}
     assert units.set_cpus([_target("a"), _target("b")]) == []  # pending: nothing to hand over
-    # a's answer came (set); b's call was lost with the connection: b goes again, once
+    # a's answer came (set); b's call was lost with the connection: b goes again, once, and
+    # is not bare (its release may be lost too)
     client.late = {
         "cri-containerd-a.scope": su.UnitResult("cri-containerd-a.scope", su.SET),
         "cri-containerd-b.scope": su.UnitResult(
@@ -583,7 +646,10 @@ def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> No
     client.outcomes = {}
     assert units.set_cpus([_target("c")]) == []
     assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-b.scope"]
+    assert client.released[-1] == ["cri-containerd-c.scope"]
     assert units.set_cpus([_target("d")]) == [] and client.sent[-1] == ["cri-containerd-d.scope"]
+    units.set_cpus([_target("a"), _target("b")])  # a is bare; b is handed over now
+    assert client.sent[-1] == client.released[-1] == ["cri-containerd-b.scope"]
     assert units.take_refused() == []
     # a late refusal is logged (once), not sent again, and handed to the runtime
     client.outcomes = {"cri-containerd-e.scope": su.PENDING}
@@ -599,11 +665,14 @@ def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again() -> No
     [warning] = [r for r in records if r.get("REASON") == "late-denied"]
     assert "after the daemon had moved on" in warning["MESSAGE"]
     assert units.take_refused() == ["e"] and units.take_refused() == []
+    units.set_cpus([_target("e", "0-1")])  # not bare: asked again
+    assert client.sent[-1] == ["cri-containerd-e.scope"]
 
 
-def test_a_resent_call_that_fails_again_is_the_runtimes_and_a_late_gone_is_nobodys() -> None:
-    units = SystemdUnits(Audit(lambda record: None), "/nonexistent")
-    units.client = client = ScriptedClient()
+def test_a_resent_call_that_fails_again_is_the_runtimes_and_a_late_gone_is_nobodys(
+    tmp_path,
+) -> None:
+    units, client = _units(_scopes(tmp_path, "abc"))
     client.outcomes = {f"cri-containerd-{c}.scope": su.PENDING for c in "ab"}
     assert units.set_cpus([_target("a"), _target("b")]) == []
     lost = su.UnitResult("cri-containerd-a.scope", su.UNREACHABLE, SystemdError("closed", "x"))
@@ -613,3 +682,56 @@ def test_a_resent_call_that_fails_again_is_the_runtimes_and_a_late_gone_is_nobod
     assert units.set_cpus([_target("c")]) == []  # c was set; a, sent again, failed again
     assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-a.scope"]
     assert units.take_refused() == ["a"]  # b's container is gone: nothing to apply
+
+
+# --- what systemd holds for a unit (hardware/unit_config.py) ----------------------------------
+
+
+def _write(root: Path, path: str, text: str) -> None:
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text)
+
+
+UNIT = "cri-containerd-x.scope"
+T = f"run/systemd/transient/{UNIT}"
+
+
+@pytest.mark.parametrize(
+    ("files", "held"),
+    [
+        ({}, False),  # no such unit's files: nothing held
+        ({T: "[Scope]\nDelegate=yes\n"}, False),
+        ({T: "[Scope]\nAllowedCPUs=0-3\n"}, True),
+        (
+            {T: "AllowedCPUs=0-3\n", f"{T}.d/50-AllowedCPUs.conf": "AllowedCPUs=\nAllowedCPUs=\n"},
+            False,
+        ),
+        (
+            {T: "AllowedCPUs=\n", f"{T}.d/50-AllowedMemoryNodes.conf": "AllowedMemoryNodes=0\n"},
+            True,
+        ),
+        # drop-ins are read in name order, whatever their directory
+        ({f"{T}.d/10-a.conf": "AllowedCPUs=1\n", f"{T}.d/90-b.conf": "AllowedCPUs=\n"}, False),
+        # of two drop-ins of one name, the one of the directory first in precedence counts
+        (
+            {
+                f"{T}.d/50-AllowedCPUs.conf": "AllowedCPUs=2\n",
+                f"run/systemd/system.control/{UNIT}.d/50-AllowedCPUs.conf": "AllowedCPUs=\n",
+            },
+            False,
+        ),
+        ({f"etc/systemd/system.control/{UNIT}.d/50-AllowedCPUs.conf": "AllowedCPUs=4"}, True),
+        ({f"{T}.d": "not a directory"}, None),  # unreadable: the caller assumes held
+    ],
+)
+def test_what_systemd_holds_for_a_unit(tmp_path, files, held) -> None:
+    for path, text in files.items():
+        _write(tmp_path, path, text)
+    assert holds_cpuset(UNIT, str(tmp_path)) is held
+
+
+def test_a_release_is_two_empty_masks_and_an_empty_set_alone_is_refused() -> None:
+    assert su.masks(CPUSet(), CPUSet()) == (b"", b"")
+    assert su.masks(CPUSet.parse("0-3"), None) == (b"\x0f", None)
+    with pytest.raises(SystemdError):
+        su.masks(CPUSet(), None)
