@@ -154,13 +154,14 @@ def _first(pod: dict[str, Any]) -> str:
 
 def _show(say: Narrator, views: dict[str, dict[str, str]], labels: list[str]) -> None:
     """Each container as its first process (``/proc/<pid>/status``) and systemd (its scope's
-    properties) have it."""
+    properties) have it: a scope whose cpuset the daemon took over from systemd holds none."""
     for label in labels:
         v = views[label]
+        held = v["allowed_cpus"].strip() or "(none: the cgroup files hold it)"
         say.line(
             f"{label:<6} Cpus_allowed_list {v['cpus_allowed_list']:<7} "
             f"Mems_allowed_list {v['mems_allowed_list']:<4} | "
-            f"AllowedCPUs={v['allowed_cpus']:<7} AllowedMemoryNodes={v['allowed_memory_nodes']}"
+            f"AllowedCPUs={held:<7} AllowedMemoryNodes={v['allowed_memory_nodes']}"
         )
 
 

@@ -47,9 +47,11 @@ def test_numa_pod_born_pinned_then_pool_grows_back(
 ) -> None:
     """(a) A 4-CPU Guaranteed pod is born on 2 whole cores of one NUMA node with that node's
     memory; a Burstable pod already running is off those CPUs.  (c) Stopping and removing it
-    gives the CPUs back to the Burstable pod: an explicit, wider list (not an empty
-    ``AllowedCPUs``, which systemd 252 would leave narrow).  On containerd 2.3.4 and CRI-O
-    with the daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``)."""
+    gives the CPUs back to the Burstable pod.  systemd's view of the Burstable pod's scope: the
+    daemon handed its cpuset over to the cgroup files at its first move (systemd holds none,
+    so none narrower can come back); the hook widens ``AllowedCPUs`` by an explicit list (an
+    empty one would leave it narrow on systemd 252).  On containerd 2.3.4 and CRI-O with the
+    daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``)."""
     facts = _call(guest, "numa_pod_then_stop", address=placing_runtime.cri_socket)
     assert facts["topology"]["numa_nodes"] == NUMA, facts["topology"]
     first = _cpus(facts["pinned_first_line"])
@@ -74,9 +76,11 @@ def test_numa_pod_born_pinned_then_pool_grows_back(
     after = facts["shared_after_stop"]
     narrow = _cpus(shared["cpus_allowed_list"])
     for field in ("cpus_allowed_list", "cpuset_cpus_effective", "allowed_cpus"):
+        if field == "allowed_cpus" and placing_runtime.nri:
+            assert not after[field].strip(), f"systemd holds the shared scope's {after[field]}"
+            continue
         grown = _cpus(after[field])
         assert first <= grown and narrow < grown, f"{field} after the stop: {after[field]}"
-    assert after["allowed_cpus"].strip(), "AllowedCPUs widened by a list, not emptied"
     for tid, allowed in facts["shared_tasks_after_stop"].items():
         assert first <= _cpus(allowed), f"shared task {tid} still on {allowed}"
 
@@ -249,7 +253,7 @@ def test_guest_demo(guest: Guest, daemon_node: GuestRuntime) -> None:
         for v in (facts["web_alone"], db["views"]["web"], cache["views"]["web"])
     ]
     assert pool[0] > pool[1] > pool[2] and not pool[2] & (db_cpus | cache_cpus), pool
-    assert _cpus(cache["views"]["web"]["allowed_cpus"]) == pool[2], "systemd's view of web"
+    assert not cache["views"]["web"]["allowed_cpus"].strip(), "handed over: systemd holds none"
     grown = [_cpus(v["cpus_allowed_list"]) for v in facts["web_after"]]
     assert grown == [pool[1], pool[0]], f"web after the stops: {grown}, expected {pool[1::-1]}"
     status = facts["status"]
