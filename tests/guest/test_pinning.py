@@ -36,9 +36,13 @@ def _call(guest: Guest, function: str, timeout: float = 900.0, **kwargs: Any) ->
 
 
 def _kept(before: dict[str, str], after: dict[str, str], field: str) -> None:
-    """The kernel's sets as they were; systemd's ``AllowedCPUs`` as it was, or handed over to
-    the cgroup files (empty: systemd holds none, so it can put nothing else back)."""
-    if field == "allowed_cpus" and not after[field].strip():
+    """The kernel's sets as they were; whatever systemd holds (``AllowedCPUs``) nothing it
+    could put back but the kernel's own set: none (handed over to the cgroup files), or that
+    set (a ``runc update`` of the restarted daemon's Synchronize reply sets it again)."""
+    if field == "allowed_cpus":
+        held = after[field].strip()
+        effective = after["cpuset_cpus_effective"]
+        assert not held or _cpus(held) == _cpus(effective), f"systemd holds {held}, not {effective}"
         return
     assert after[field] == before[field], f"{field}: {before[field]!r} -> {after[field]!r}"
 
