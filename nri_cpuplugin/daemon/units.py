@@ -26,6 +26,8 @@ Runs on the daemon's worker thread, which may block: the request's deadline
 
 from __future__ import annotations
 
+import time
+
 from ..core.cpuset import CPUSet
 from ..hardware import cpusets
 from ..hardware import systemd_units as su
@@ -40,6 +42,8 @@ from ..ops.audit import Audit
 # quick refusals (a scope gone, a bus that says no) come back within it, later ones are owed
 # to the runtime.  Calls unanswered by then stay pending.
 TIMEOUT = 0.1
+# The releases that follow a batch's sets share its wait; this much more at least, to send them.
+SEND = 0.02
 
 Change = tuple[str, CPUSet, CPUSet | None]  # unit, cpus, mems
 NONE = CPUSet()  # a release: both sets empty (systemd_units.masks)
@@ -69,6 +73,7 @@ class SystemdUnits:
         if not changes and not again:
             return failed
         sent = list(zip(ids, changes, strict=True)) + again
+        deadline = time.monotonic() + TIMEOUT
         results = self.client.set_allowed([change for _, change in sent], TIMEOUT)
         taken: list[tuple[str, str]] = []
         for i, ((cid, change), result) in enumerate(zip(sent, results, strict=True)):
@@ -84,15 +89,15 @@ class SystemdUnits:
                 self._warn(result.outcome, str(result.error))
             elif i < len(ids):
                 taken.append((cid, change[0]))
-        self._release(taken)
+        self._release(taken, max(deadline - time.monotonic(), SEND))
         return failed
 
-    def _release(self, taken: list[tuple[str, str]]) -> None:
+    def _release(self, taken: list[tuple[str, str]], timeout: float) -> None:
         """Hand these units' cpusets over to their cgroup files: systemd applies a connection's
         calls in order, so each release follows the set that made the unit's cpuset right."""
         if not taken:
             return
-        results = self.client.set_allowed([(unit, NONE, NONE) for _, unit in taken], TIMEOUT)
+        results = self.client.set_allowed([(unit, NONE, NONE) for _, unit in taken], timeout)
         for (cid, unit), result in zip(taken, results, strict=True):
             if result.ok:  # (one pending now and refused late is forgotten: _settle_late)
                 self._bare[cid] = unit
