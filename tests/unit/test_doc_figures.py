@@ -178,12 +178,13 @@ def mismatches(block: str, names: list[str], bench: dict[str, str]) -> list[str]
 
 def problems(path: Path, text: str, bench: dict[str, str]) -> list[str]:
     found = []
+    where = path.relative_to(REPO)
     for block in blocks(text):
         citations = list(CITATION.finditer(block))
         if citations:
             names = [n for c in citations for n in re.findall(r'"([^"]+)"', c["sections"])]
             if not names and quoted(block):
-                found.append(f"{path.name}: names no section of benchmarks.md: {block[:120]}")
+                found.append(f"{where}: names no section of benchmarks.md: {block[:120]}")
                 continue
         elif path == REPO / "README.md" and (part := _status_row(block)) is not None:
             if part not in STATUS_ROWS:
@@ -192,7 +193,7 @@ def problems(path: Path, text: str, bench: dict[str, str]) -> list[str]:
             names = STATUS_ROWS[part]
         else:
             continue
-        found += [f"{path.name}: {m}: {block[:120]}" for m in mismatches(block, names, bench)]
+        found += [f"{where}: {m}: {block[:120]}" for m in mismatches(block, names, bench)]
     return found
 
 
