@@ -6,6 +6,10 @@ guest node tests them for real (tests/guest/)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from nri_cpuplugin.hardware.irq_keeper import Roots
 from nri_cpuplugin.ops import status
 from nri_cpuplugin.ops.config import Settings
 
+REPO = Path(__file__).resolve().parents[2]
 P = CPUSet.parse
 ONLINE = P("0-7")
 POOL = P("0,3-7")
@@ -169,6 +174,51 @@ def test_what_a_killed_daemon_took_is_given_back_by_the_next_one(node):
     again.synchronize([], [])  # the runtime lists no container: it is gone
     assert affinity(proc, 24) == "0-7" and not again.on_disk().irqs
     again.close()
+
+
+def guide_snippet(marker: str) -> str:
+    """The Python of the operator guide's code block after ``<!-- marker: ... -->``."""
+    guide = (REPO / "docs" / "operator-guide.md").read_text()
+    block = guide.split(f"<!-- {marker}:", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    body = re.search(r"<<'EOF'\n(.*?)^EOF$", textwrap.dedent(block), re.S | re.M)
+    assert body, f"no heredoc after <!-- {marker} --> in the operator guide"
+    return body[1]
+
+
+def test_the_guides_removal_gives_back_what_a_stopped_daemon_took(node):
+    """docs/operator-guide.md 7.1: with the plugin gone and its container still running, the
+    guide's command gives every interrupt back exactly what the state file says was taken."""
+    driver, proc = node
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    adjust, _ = driver.create_container(db, container("pg", db, 2000))
+    cpus = P(adjust.linux.resources.cpu.cpus)
+    (proc / "irq" / "26" / "smp_affinity_list").write_text("5\n")  # irqbalance, meanwhile
+    assert P(affinity(proc, 24)) == P("0-7") - cpus
+    assert irq_files.default_affinity(str(proc)) == P("0-7") - cpus
+    state = Path(driver.settings.state_dir) / "state.json"
+    online = Path(driver.settings.sysfs) / "devices/system/cpu/online"
+    driver.close()  # stopped: nothing given back
+    script = (
+        guide_snippet("give-interrupts-back")
+        .replace('"/proc"', repr(str(proc)))
+        .replace('"/sys/devices/system/cpu/online"', repr(str(online)))
+    )
+    result = subprocess.run(
+        [sys.executable, "-", str(state)],
+        input=script, cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert affinity(proc, 24) == "0-7" and affinity(proc, 25) == "0-7"
+    assert irq_files.default_affinity(str(proc)) == P("0-7")
+    assert affinity(proc, 26) == "5"  # not ours: left as irqbalance set it
+    assert f"interrupt 24 (PCI-MSIX 1-edge virtio24): CPUs {cpus} given back" in result.stdout
+    # Run again: nothing left to give.
+    again = subprocess.run(
+        [sys.executable, "-", str(state)],
+        input=script, cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout == "", again.stderr
 
 
 def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
