@@ -12,11 +12,11 @@ spans two sub-NUMA clusters, a NUMA node that spans two sockets).
 
 A request for ``n`` CPUs descends the tree.  At every group it asks: how few children can hold
 ``n`` free CPUs?  If one child can, each child that fits is tried (recursively) and the best
-result is kept.  If several are needed, the smallest possible number of children is used: the
-roomiest ones are taken whole - whole NUMA nodes, whole LLC groups, whole cores - and the
-remainder is placed, recursively, in the child that fits it best.  Below an LLC group, whole
-free cores are taken first, then single threads, preferring threads that complete a core that
-is already partly used.
+result is kept.  If several are needed, the smallest possible number of children is used,
+filled two ways, both scored: the roomiest taken whole and the remainder placed, recursively,
+in the last one; or their whole free cores taken first, as kubelet's packed allocator does, and
+the threads left over placed in one of them.  Below an LLC group, whole free cores are taken
+first, then single threads, preferring threads that complete a core that is already partly used.
 
 Candidates are compared by a score, lowest wins, in this order:
 
@@ -260,7 +260,41 @@ class Allocator:
             whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
             rest = self._plan(ordered[-1][0], n - len(whole), avail)
             candidates.append(whole | rest)
+            candidates.extend(self._whole_cores_first(ordered, n, avail))
         return candidates
+
+    def _whole_cores_first(
+        self, ordered: list[tuple[_Node, int]], n: int, avail: frozenset[int]
+    ) -> list[frozenset[int]]:
+        """Picks over these children that take their whole free cores first (roomiest child
+        first), as kubelet's packed allocator does, the threads left over placed in each child
+        that has room for them.  Taking a child whole splits its cores when the others have
+        whole cores to spare (rule 4 then prefers these)."""
+        shares = []
+        left = n
+        for child, _ in ordered:
+            shares.append(self._whole_core_share(child, left, avail))
+            left -= shares[-1]
+        picks = []
+        for index, (_, free) in enumerate(ordered):
+            if free - shares[index] < left:
+                continue
+            counts = [*shares[:index], shares[index] + left, *shares[index + 1 :]]
+            plans = zip(ordered, counts, strict=True)
+            picks.append(frozenset().union(*(self._plan(c, k, avail) for (c, _), k in plans if k)))
+            if not left:
+                break  # one way to place nothing
+        return picks
+
+    def _whole_core_share(self, node: _Node, limit: int, avail: frozenset[int]) -> int:
+        """How many of ``node``'s free CPUs whole free cores make up, at most ``limit``."""
+        cores = {self._core[cpu] for cpu in node.cpus & avail}
+        share = 0
+        for size in sorted(len(self._core_cpus[c]) for c in cores if self._core_cpus[c] <= avail):
+            if share + size > limit:
+                break
+            share += size
+        return share
 
     def _combinations(self, children: list, need: int) -> Iterable[tuple]:
         if comb(len(children), need) <= _MAX_COMBINATIONS:
