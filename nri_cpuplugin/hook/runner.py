@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
     from ..hardware.nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
+IRQBALANCE_ENV = "nri-cpuplugin/irqbalance.env"  # ours, in the /run beside /proc (irqbalance.py)
 FAULT_STEPS = (
     "locked",  # the state lock is held
     "loaded",  # state read (and rebuilt if it had to be)
@@ -304,22 +305,21 @@ class Hook:
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
 
     def _keep_irqs_free(self, engine: Engine, state: NodeState) -> tuple[AuditEvent, ...]:
-        """The interrupts brought in line with the committed state's kept-free CPUs (the lock
-        held), the records of what is taken committed with the state (hardware/irq_keeper.py).
-        Loaded only when some container asked for it, or something is left to give back."""
-        if not state.irqs and not any(a.irq_free for a in state.assignments.values()):
+        """The interrupts brought in line with the committed state, the lock held (irq_keeper.py):
+        when a container asked, or something is left to give back (a ban: our file in /run)."""
+        held = state.irqs or any(a.irq_free for a in state.assignments.values())
+        if not held and not os.path.exists(f"{self.options.proc}/../run/{IRQBALANCE_ENV}"):
             return ()
         from ..hardware import irq_keeper
 
-        def record(records: Mapping[int, IrqRecord]) -> None:
+        def save(records: Mapping[int, IrqRecord]) -> None:
             nonlocal state
             if dict(records) != dict(state.irqs):
                 state = state.evolve(irqs=records)
                 self.store.commit(state)
 
         roots = irq_keeper.Roots.beside(self.settings.sysfs, self.options.proc)
-        online = engine.topology.online
-        return irq_keeper.keep_free(roots, state, online, frozenset(), record).events
+        return irq_keeper.keep_free(roots, state, engine.topology.online, frozenset(), save).events
 
     def _report_unkept(self, unkept: list[str]) -> None:
         if unkept:
