@@ -206,6 +206,28 @@ def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
         driver.close()
 
 
+def test_an_odd_interrupts_header_is_said_once_and_stops_nothing(node):
+    from nri_cpuplugin.daemon.events import IrqRescan
+
+    driver, proc = node
+    rows = (proc / "interrupts").read_text().splitlines()
+    (proc / "interrupts").write_text("\n".join([rows[0] + " CPUx", *rows[1:]]) + "\n")
+    with pytest.raises(irq_files.IrqError, match="CPUx"):
+        irq_files.counts(str(proc))
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    pg = container("pg", db, 2000)
+    cpus = P(driver.create_container(db, pg)[0].linux.resources.cpu.cpus)
+    assert len(cpus) == 2 and affinity(proc, 24) == "0-7"  # placed; the interrupts left alone
+    driver.submit(IrqRescan())
+    web = pod("web")
+    driver.create_container(web, container("nginx", web, 1000))  # later requests answered
+    driver.submit(IrqRescan())
+    [record] = driver.records.of("irq")  # said once, not at every look
+    assert "/interrupts" in record["MESSAGE"] and "CPUx" in record["MESSAGE"]
+    assert record["PRIORITY"] == "4"  # a warning
+
+
 def test_an_irqbalance_ban_is_lifted_when_no_interrupt_was_narrowed_and_after_a_restart():
     with short_root() as root:
         sysfs, _ = build("single-socket-no-smt", root)  # 8 CPUs, 0-1 reserved
