@@ -17,6 +17,7 @@ from topologies import build
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.irq import DEFAULT, Irq, plan
 from nri_cpuplugin.core.state import IrqRecord
+from nri_cpuplugin.daemon.events import IrqRescan
 from nri_cpuplugin.hardware import irq as irq_files
 from nri_cpuplugin.hardware.irq_keeper import Roots
 from nri_cpuplugin.ops import status
@@ -207,8 +208,6 @@ def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
 
 
 def test_an_odd_interrupts_header_is_said_once_and_stops_nothing(node):
-    from nri_cpuplugin.daemon.events import IrqRescan
-
     driver, proc = node
     rows = (proc / "interrupts").read_text().splitlines()
     (proc / "interrupts").write_text("\n".join([rows[0] + " CPUx", *rows[1:]]) + "\n")
