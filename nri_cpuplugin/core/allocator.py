@@ -260,7 +260,8 @@ class Allocator:
             whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
             rest = self._plan(ordered[-1][0], n - len(whole), avail)
             candidates.append(whole | rest)
-            candidates.extend(self._whole_cores_first(ordered, n, avail))
+            if DISTRIBUTE_ACROSS_CORES not in self.options:  # there, spreading is the point
+                candidates.extend(self._whole_cores_first(ordered, n, avail))
         return candidates
 
     def _whole_cores_first(
