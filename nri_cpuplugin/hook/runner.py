@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
     from ..hardware.nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
-IRQBALANCE_ENV = "nri-cpuplugin/irqbalance.env"  # ours, in the /run beside /proc (irqbalance.py)
+IRQBALANCE_ENV = "/../run/nri-cpuplugin/irqbalance.env"  # ours: a ban to lift (irqbalance.py)
 FAULT_STEPS = (
     "locked",  # the state lock is held
     "loaded",  # state read (and rebuilt if it had to be)
@@ -305,21 +305,21 @@ class Hook:
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
 
     def _keep_irqs_free(self, engine: Engine, state: NodeState) -> tuple[AuditEvent, ...]:
-        """The interrupts brought in line with the committed state, the lock held (irq_keeper.py):
-        when a container asked, or something is left to give back (a ban: our file in /run)."""
+        """Interrupts in line with the committed state (irq_keeper.py), when anything is to do."""
         held = state.irqs or any(a.irq_free for a in state.assignments.values())
-        if not held and not os.path.exists(f"{self.options.proc}/../run/{IRQBALANCE_ENV}"):
+        if not held and not os.path.exists(self.options.proc + IRQBALANCE_ENV):
             return ()
         from ..hardware import irq_keeper
 
-        def save(records: Mapping[int, IrqRecord]) -> None:
+        def record(records: Mapping[int, IrqRecord]) -> None:
             nonlocal state
             if dict(records) != dict(state.irqs):
                 state = state.evolve(irqs=records)
                 self.store.commit(state)
 
         roots = irq_keeper.Roots.beside(self.settings.sysfs, self.options.proc)
-        return irq_keeper.keep_free(roots, state, engine.topology.online, frozenset(), save).events
+        online = engine.topology.online
+        return irq_keeper.keep_free(roots, state, online, frozenset(), record).events
 
     def _report_unkept(self, unkept: list[str]) -> None:
         if unkept:
