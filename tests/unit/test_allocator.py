@@ -252,6 +252,8 @@ CASES = [
         (),
         "22-23,45-47",
     ),
+    # SMT4: NUMA 0 has core 3 (12-15) free; NUMA 1 core 7 (28-31) and 3 threads of core 6.
+    ("spill smt4: two whole cores, not three", SMT4, P("12-15,25-31"), 8, (), "12-15,28-31"),
     # EPYC NUMA 0, two LLC groups: core 7 (7,71) in the first, cores 8-9 and the half core 74
     # in the second.
     (
