@@ -111,6 +111,7 @@ class Node:
         self.irq_kept: CPUSet | None = None
         self.irq_unchangeable: frozenset[tuple[int, str]] = frozenset()
         self.irq_rescanning = False
+        self.irq_warned: frozenset[str] = frozenset()  # the last look's warnings (upkeep.py)
         self.file = StateFile(settings.state_dir, self.progress)
         self._build(merge(settings, self.flags))  # a bad configuration fails now
 

@@ -265,7 +265,10 @@ def keep_irqs_free(node: Node, force: bool = False) -> None:
     )
     node.irq_kept = free
     node.irq_unchangeable = kept.unchangeable
-    node.audit.emit(kept.events)
+    # A warning the last look gave too (interrupts that cannot be read, a write that keeps
+    # failing) is said once while it lasts, not at every rescan.
+    node.audit.emit(e for e in kept.events if e.message not in node.irq_warned)
+    node.irq_warned = frozenset(e.message for e in kept.events if e.priority == audit_mod.WARNING)
     if free and not node.irq_rescanning:
         node.irq_rescanning = node.later(IRQ_RESCAN, ev.IrqRescan())
 

@@ -55,7 +55,9 @@ def keep_free(
     commits the interrupt records of the state."""
     keep = plan_irq.keep_free(state)
     if not keep and not state.irqs:
-        return Kept(state.irqs, unchangeable, ())
+        # Nothing to give back, but a ban sent while a plan narrowed nothing (or before a
+        # restart) is lifted still.
+        return Kept(state.irqs, unchangeable, _lift_ban(roots))
     try:
         found = irq.interrupts(roots.proc)
     except irq.IrqError as err:
@@ -98,6 +100,13 @@ def _ban(roots: Roots, keep: CPUSet) -> str | None:
         os.path.join(roots.run, "nri-cpuplugin", "irqbalance.env"),
         os.path.join(roots.run, "irqbalance"),
     )
+
+
+def _lift_ban(roots: Roots) -> tuple[AuditEvent, ...]:
+    if not irqbalance.banning(os.path.join(roots.run, "nri-cpuplugin", "irqbalance.env")):
+        return ()
+    why = _ban(roots, CPUSet())
+    return (_event(f"irqbalance's ban could not be lifted: {why}", WARNING),) if why else ()
 
 
 def _events(
