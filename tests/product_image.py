@@ -84,3 +84,22 @@ def cached(lab: Path = LAB) -> Built:
         [archive] = target.glob("*.oci.tar")
         output = (target / "output.txt").read_text()
     return Built(archive, output.splitlines()[-1], output)
+
+
+DOCKERFILE = REPO / "packaging/Dockerfile"
+
+
+def dockerfile_steps(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, pending = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        instruction, _, rest = line.partition(" ")
+        out.append((instruction.upper(), rest.strip()))
+    return out
