@@ -25,6 +25,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import image_bytecode
 import image_debs
 import image_oci
 import image_wheels
@@ -141,6 +142,10 @@ def build(output: Path, work: Path, source_url: str | None) -> str:
             backend = image_wheels.build_backend(BUILD_REQUIREMENTS, work / "build-backend")
             own = image_wheels.project_wheel(REPO, revision, backend, tmp / "wheel", epoch)
             image_wheels.install(own, roots["project"])
+            python = roots["debian"]
+            image_bytecode.compile_tree(python, python, ["usr/lib/python3.11"])
+            for tree in (roots["dependencies"], roots["project"]):
+                image_bytecode.compile_tree(python, tree, [image_wheels.SITE])
             layers = [
                 image_oci.write_layer(roots["debian"], tmp / "debian.tar", epoch,
                                       "Debian 12 packages: packaging/image/debian.lock"),

@@ -3,9 +3,8 @@ backend, and its dependencies' wheels, pinned by hash; each installed into the r
 as pip would install it for Debian's /usr/bin/python3.11, without running pip there.
 
 Installing means: the wheel's files into site-packages (its ``.data`` directories where the wheel
-format puts them) and a small launcher per console script.  No bytecode is written: the image
-runs with PYTHONDONTWRITEBYTECODE=1 on a read-only root, and .pyc files would tie the digest to
-the compiling interpreter.
+format puts them) and a small launcher per console script.  Their bytecode is written afterwards
+by the image's own interpreter (image_bytecode.py).
 """
 
 from __future__ import annotations

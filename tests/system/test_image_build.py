@@ -6,7 +6,7 @@
   its digest; the config carries the entrypoint, environment and labels the Dockerfile declares.
 * The root filesystem is complete: chrooted into it, Debian's python3.11 imports every extension
   module of its standard library and of the wheels (so each shared library they need is there),
-  and the console script runs.
+  and the console script runs; every Python file has hash-checked bytecode the interpreter uses.
 * debian.lock is the dependency closure the recipe says it is (apt's current candidates).
 
 Loading and running the image in containerd and podman: tests/e2e/test_image.py.
@@ -77,8 +77,9 @@ def test_archive_is_an_oci_layout_with_a_docker_manifest(image) -> None:
     assert config["config"]["Env"] == recipe.ENV
     labels = config["config"]["Labels"]
     assert labels["org.opencontainers.image.revision"] == head("rev-parse", "HEAD")
-    assert entry["annotations"]["org.opencontainers.image.ref.name"] == (
-        labels["org.opencontainers.image.version"]
+    assert (
+        entry["annotations"]["org.opencontainers.image.ref.name"]
+        == (labels["org.opencontainers.image.version"])
     )
     # Every entry of every layer: root's, at the commit's time, no hard links.
     epoch = int(head("log", "-1", "--format=%ct"))
@@ -124,6 +125,24 @@ def test_python_finds_every_library_its_extension_modules_need(root: Path) -> No
         capture_output=True, text=True, check=False, env={"PATH": "/usr/bin"},
     )  # fmt: skip
     assert result.stdout.strip() == "upb", result.stderr
+
+
+def test_every_python_file_has_bytecode_the_interpreter_accepts(root: Path) -> None:
+    trees = [root / "usr/lib/python3.11", root / "usr/local/lib/python3.11/dist-packages"]
+    sources = [py for tree in trees for py in tree.rglob("*.py")]
+    assert len(sources) > 500
+    for py in sources:
+        pyc = py.parent / "__pycache__" / f"{py.stem}.cpython-311.pyc"
+        flags = int.from_bytes(pyc.read_bytes()[4:8], "little")
+        assert flags == 0b11, f"{pyc}: not hash-checked bytecode"  # no mtime in it
+    # Imported from the .pyc files, none found stale (the interpreter's own verdict).
+    result = subprocess.run(
+        [CHROOT, str(root), "/usr/bin/python3.11", "-v", "-c", "import nri_cpuplugin.cli"],
+        capture_output=True, text=True, check=False, env={"PATH": "/usr/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "nri_cpuplugin/__pycache__/cli.cpython-311.pyc matches" in result.stderr
+    assert "stale" not in result.stderr
 
 
 def test_console_script_runs_in_the_image_root(root: Path) -> None:
