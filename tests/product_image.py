@@ -23,6 +23,7 @@ from harness.debs import LAB
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "packaging/image"
 BUILD = RECIPE / "image_build.py"
+KEEP = 3  # images kept in the lab
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,18 @@ def _key() -> str:
     return digest.hexdigest()[:16]
 
 
+def _prune(images: Path, keep: int) -> None:
+    """Only the newest images stay: each commit's is ~70 MB.  Not the newest one alone: other
+    work trees sharing the lab may be using theirs."""
+    built = sorted(
+        (p for p in images.iterdir() if (p / "output.txt").exists()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in built[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def cached(lab: Path = LAB) -> Built:
     """The image of HEAD, built on first use and kept under ``<lab>/product-image/<key>``."""
     target = lab / "product-image" / _key()
@@ -81,6 +94,7 @@ def cached(lab: Path = LAB) -> Built:
             (partial / "output.txt").write_text(built.output)
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)
+            _prune(target.parent, keep=KEEP)
         [archive] = target.glob("*.oci.tar")
         output = (target / "output.txt").read_text()
     return Built(archive, output.splitlines()[-1], output)
