@@ -157,7 +157,15 @@ class PrivateApt:
         except BuildError:
             # The lists may be older than the pin (a point release since): refresh once, retry.
             self.update(force=True)
-            run(cmd, f"apt-get download {deb.name}={deb.version}", cwd=into)
+            try:
+                run(cmd, f"apt-get download {deb.name}={deb.version}", cwd=into)
+            except BuildError as error:
+                raise BuildError(
+                    f"{error}\nThe mirror no longer has {deb.name} {deb.version} (Debian keeps "
+                    "only a suite's current versions): run `python packaging/image/image_build.py "
+                    "--update-debian-lock`, review the change to packaging/image/debian.lock and "
+                    "commit it"
+                ) from None
 
 
 def _first_alternatives(field: str) -> list[str]:
