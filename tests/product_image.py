@@ -23,7 +23,7 @@ from harness.debs import LAB
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "packaging/image"
 BUILD = RECIPE / "image_build.py"
-KEEP = 3  # images kept in the lab
+KEEP = 4  # images kept in the lab (HEAD's and an older release's, in two work trees)
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ def recipe() -> ModuleType:
     return importlib.import_module("image_build")
 
 
-def build(output: Path, work: Path | None = None) -> Built:
-    """One build, as ``./dev image --output OUTPUT`` does it."""
+def build(output: Path, work: Path | None = None, revision: str = "HEAD") -> Built:
+    """One build, as ``./dev image --output OUTPUT [--revision REV]`` does it."""
     work = work or LAB / "image-build"
     result = subprocess.run(
-        [sys.executable, str(BUILD), "--output", str(output), "--work", str(work)],
+        [sys.executable, str(BUILD), "--output", str(output), "--work", str(work),
+         "--revision", revision],  # fmt: skip
         capture_output=True,
         text=True,
         check=False,
@@ -56,10 +57,10 @@ def build(output: Path, work: Path | None = None) -> Built:
     return Built(archive, result.stdout.splitlines()[-1], result.stdout)
 
 
-def _key() -> str:
+def _key(revision: str) -> str:
     digest = hashlib.sha256()
     head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ["git", "-C", str(REPO), "rev-parse", revision], capture_output=True, text=True, check=True
     )
     digest.update(head.stdout.encode())
     for path in sorted(
@@ -81,16 +82,17 @@ def _prune(images: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def cached(lab: Path = LAB) -> Built:
-    """The image of HEAD, built on first use and kept under ``<lab>/product-image/<key>``."""
-    target = lab / "product-image" / _key()
+def cached(lab: Path = LAB, revision: str = "HEAD") -> Built:
+    """The image of ``revision``, built on first use and kept under
+    ``<lab>/product-image/<key>``."""
+    target = lab / "product-image" / _key(revision)
     target.parent.mkdir(parents=True, exist_ok=True)
     with (target.parent / ".lock").open("w") as lock:  # parallel workers share it
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "output.txt").exists():
             partial = target.with_name(target.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            built = build(partial)
+            built = build(partial, revision=revision)
             (partial / "output.txt").write_text(built.output)
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)

@@ -122,11 +122,11 @@ def locked(work: Path) -> Iterator[None]:
         yield
 
 
-def build(output: Path, work: Path, source_url: str | None) -> str:
-    revision = git("rev-parse", "HEAD")
+def build(output: Path, work: Path, source_url: str | None, rev: str = "HEAD") -> str:
+    revision = git("rev-parse", "--verify", f"{rev}^{{commit}}")
     epoch = int(git("log", "-1", "--format=%ct", revision))
     meta = project(revision)
-    if git("status", "--porcelain", "--untracked-files=no"):
+    if rev == "HEAD" and git("status", "--porcelain", "--untracked-files=no"):
         print(f"image: uncommitted changes are not in the image (built from {revision[:12]})",
               file=sys.stderr)  # fmt: skip
     with locked(work):
@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--source-url", help="org.opencontainers.image.source label's value")
     parser.add_argument(
+        "--revision", default="HEAD",
+        help="the commit whose project is built (an older release's, say; default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--update-debian-lock", action="store_true",
         help="rewrite debian.lock from the archive's current versions, then stop",
     )  # fmt: skip
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.output is None:
             parser.error("--output DIR is required (where the image archive is written)")
-        digest = build(args.output.absolute(), args.work.absolute(), args.source_url)
+        digest = build(args.output.absolute(), args.work.absolute(), args.source_url, args.revision)
     except BuildError as error:
         print(f"image: {error}", file=sys.stderr)
         return 1
