@@ -44,8 +44,16 @@ def build(output: Path, work: Path | None = None, revision: str = "HEAD") -> Bui
     """One build, as ``./dev image --output OUTPUT [--revision REV]`` does it."""
     work = work or LAB / "image-build"
     result = subprocess.run(
-        [sys.executable, str(BUILD), "--output", str(output), "--work", str(work),
-         "--revision", revision],  # fmt: skip
+        [
+            sys.executable,
+            str(BUILD),
+            "--output",
+            str(output),
+            "--work",
+            str(work),
+            "--revision",
+            revision,
+        ],
         capture_output=True,
         text=True,
         check=False,
