@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import host
+from harness import cni, host
 from harness.containerd import Containerd
 from harness.cri import CRIClient, CRIError
 from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
 from harness.kubelet_pod import DaemonSetPod
+from netns_util import host_nic
 from product_image import cached
 
 from e2e.daemon import wait_for
@@ -51,8 +52,10 @@ def manifest_of(revision: str, directory: Path) -> Path:
 
 
 @pytest.fixture
-def fail_closed(make_containerd: Callable[..., Containerd]) -> Containerd:
-    ctrd = make_containerd(start=False)
+def fail_closed(make_containerd: Callable[..., Containerd], containerd_version: str) -> Containerd:
+    """With a CNI plugin: the DaemonSet's pod is not on the host network."""
+    ctrd = make_containerd(start=False, config_overrides=cni.overrides(containerd_version))
+    cni.install(ctrd, host_nic().name)
     install_fail_closed(ctrd)
     ctrd.start()
     for revision in (RELEASE_0_1_0, "HEAD"):
@@ -148,5 +151,6 @@ def test_upgrade_and_rollback_move_no_pinned_container(
             assert host.read_cgroup(cri.cgroup_path(late["late"]), "cpuset.cpus") == "0"
     plugin.delete(grace=15)
 
+    print(f"{sampler.samples} samples of both cpusets through the upgrade and the rollback")
     assert sampler.samples > 10
     assert sampler.seen == {("1", "0")}, "the pinned container moved, or a shared one got its CPU"
