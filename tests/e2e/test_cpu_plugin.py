@@ -257,6 +257,7 @@ def test_in_place_resize_through_cri(containerd, cri, daemon):
     check_agreement(daemon, cri)
 
 
+@ALSO_CRUN
 def test_dense_node_siblings_are_written_directly_and_reasserted(containerd, cri, daemon):
     """Eight shared containers: all of them are off the new exclusive CPU when CreateContainer
     returns, yet the runtime ran no update for them (its stored spec still says what they were
