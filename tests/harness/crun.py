@@ -19,11 +19,12 @@ Three things this host and these runtimes need (each seen with the real binary):
    host, which is what a cgroup v1 node is, and creates the container's cgroups in every v1
    hierarchy as runc does.  Nothing of the host changes; the container's own mount namespace is
    made from that private one.
-3. The spec version: containerd 2.3.4 and CRI-O 1.36.3 write ``"ociVersion": "1.3.0"``, and crun
-   1.8.1 accepts only 1.0.x and 1.1.x ("unknown version specified"; crun dropped that check in
-   1.14.3).  The wrapper writes ``1.1.0`` into the bundle's config.json before ``create``, as
-   a crun >= 1.14.3 would simply not look.  Nothing else of the spec changes, and nothing this
-   project relies on (cpuset, hooks, namespaces) is newer than spec 1.0.
+3. The spec version: containerd 2.3.4 and CRI-O 1.36.3 write ``"ociVersion": "1.3.0"`` (1.7.24
+   ``1.2.0``, 2.1.9 ``1.2.1``), and crun 1.8.1 accepts only 1.0.x and 1.1.x ("unknown version
+   specified"; crun dropped that check in 1.14.3).  The wrapper writes ``1.1.0`` into the
+   bundle's config.json before ``create``, as a crun >= 1.14.3 would simply not look.  Nothing
+   else of the spec changes, and nothing this project relies on (cpuset, hooks, namespaces) is
+   newer than spec 1.0.
 """
 
 from __future__ import annotations
