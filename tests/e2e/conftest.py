@@ -6,6 +6,8 @@
   and cgroup it made.
 * ``make_containerd`` - the same, with options (NRI timeouts, plugins placed before start...).
 * ``cri`` - the CRI client of ``containerd``.
+* ``oci_runtime`` - the OCI runtime the instances run: runc.  The tests ``e2e/runtimes.py``'s
+  marks parametrize run once more with crun 1.8.1 (harness/crun.py).
 
 A runtime that cannot be prepared or started fails the test with the reason and the
 containerd log tail; nothing here ever skips.
@@ -20,24 +22,16 @@ from typing import Any
 
 import pytest
 from harness import cri as cri_mod
-from harness import debs, image
-from harness.containerd import VERSIONS, Containerd, bin_dir, reap_stale
+from harness import crun, debs, image
+from harness.containerd import Containerd, bin_dir, reap_stale
 from harness.packages import RUNC
 
 from e2e.daemon import Daemon
-
-CONTAINERD_VERSIONS = sorted(VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
+from e2e.runtimes import CONTAINERD_VERSIONS
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: runs real container runtimes (root, Linux)")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in item.path.parents:
-            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
@@ -48,9 +42,10 @@ def lab() -> Path:
         pytest.fail("e2e tests run containerd and need root", pytrace=False)
     error = None
     try:
-        for version in VERSIONS:
+        for version in CONTAINERD_VERSIONS:
             bin_dir(version)  # unpacked and checked against the pins
         debs.unpack(RUNC)
+        crun.binary()
         image.images_tar()
         cri_mod.stubs()
     except Exception as e:
@@ -68,8 +63,14 @@ def containerd_version(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def oci_runtime() -> str:
+    """runc: every test's OCI runtime; the ``crun`` marker parametrizes this fixture."""
+    return "runc"
+
+
+@pytest.fixture
 def make_containerd(
-    request: pytest.FixtureRequest, lab: Path, containerd_version: str
+    request: pytest.FixtureRequest, lab: Path, containerd_version: str, oci_runtime: str
 ) -> Iterator[Callable[..., Containerd]]:
     """``make_containerd(start=True, **options)`` -> a Containerd of this test's version;
     every instance made is torn down after the test, whatever happened."""
@@ -77,14 +78,14 @@ def make_containerd(
     request.node._containerds = made  # for the failure report below
 
     def make(*, start: bool = True, **options: Any) -> Containerd:
-        ctrd = Containerd(containerd_version, lab=lab, **options)
+        ctrd = Containerd(containerd_version, lab=lab, **{"runtime": oci_runtime, **options})
         made.append(ctrd)
         if start:
             try:
                 ctrd.start()
                 error = None
             except Exception as e:
-                error = f"containerd {containerd_version} did not start: {e}"
+                error = f"containerd {containerd_version} ({oci_runtime}) did not start: {e}"
             if error:  # fail outside the except block: the message is the whole story
                 pytest.fail(error, pytrace=False)
         return ctrd
@@ -108,9 +109,15 @@ def cri(containerd: Containerd) -> cri_mod.CRIClient:
 
 
 @pytest.fixture
-def daemon(containerd: Containerd, tmp_path: Path) -> Iterator[Daemon]:
-    """``nri-cpuplugin run`` connected to ``containerd`` (reserved CPU 0), synchronized."""
-    process = Daemon(containerd.nri_socket, tmp_path / "state")
+def daemon(containerd: Containerd, tmp_path: Path, oci_runtime: str) -> Iterator[Daemon]:
+    """``nri-cpuplugin run`` connected to ``containerd`` (reserved CPU 0), synchronized.
+    Under crun 1.8.1 with ``cfs_quota = "keep"``: that crun cannot write the lifted quota (-1)
+    on cgroup v1 (docs/operator-guide.md, ``cfs_quota``)."""
+    config = None
+    if oci_runtime == "crun":
+        config = tmp_path / "crun-node.toml"
+        config.write_text('cfs_quota = "keep"\n')
+    process = Daemon(containerd.nri_socket, tmp_path / "state", config=config)
     process.start()
     yield process
     process.stop()

@@ -31,7 +31,15 @@ from harness import debs, host, shortpaths, tarballs
 from harness import podman as podman_harness
 from harness import runc as runc_harness
 from harness.k8s import PodSpec
-from harness.packages import BUSYBOX_STATIC, CRI_API, PATCHELF, PODMAN_STACK, RUNC
+from harness.packages import (
+    BUSYBOX_STATIC,
+    CRI_API,
+    CRUN,
+    LIBYAJL2,
+    PATCHELF,
+    PODMAN_STACK,
+    RUNC,
+)
 
 from e2e.ready import ready_or_fail
 
@@ -63,6 +71,8 @@ SLICE_DEBS = (
     CRI_API,
     PATCHELF,
     *PODMAN_STACK,
+    CRUN,  # the lab fixture prepares crun too (harness/crun.py)
+    LIBYAJL2,
 )
 LONG_MIN = 200  # characters; the issue asks for at least 120
 # Never copied: caches and build output of this checkout (its lab may be elsewhere too).

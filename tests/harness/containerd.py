@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image, shortpaths, tarballs
+from . import crun, debs, host, image, shortpaths, tarballs
 from .cri import CRIClient, CRIError
 from .debs import Deb
 from .packages import CONTAINERD_17, CONTAINERD_21, CONTAINERD_23, RUNC
@@ -124,6 +124,8 @@ class Containerd(RuntimeProcess):
     named ``NN-name``) with optional configs in :attr:`plugin_config_path` (``NN-name.conf``);
     containerd starts them at boot.  ``config_overrides`` is merged into :meth:`config`, e.g.
     ``{"plugins": {"io.containerd.nri.v1.nri": {"disable_connections": True}}}``.
+    ``runtime``: the OCI runtime binary of the ``runc`` handler (``io.containerd.runc.v2``'s
+    ``BinaryName``): bookworm's runc, or crun through its wrapper (harness/crun.py).
     """
 
     def __init__(
@@ -139,10 +141,12 @@ class Containerd(RuntimeProcess):
         start_timeout: float = 20.0,
         config_overrides: Mapping[str, Any] | None = None,
         token: str | None = None,
+        runtime: str = "runc",
     ) -> None:
         if version not in VERSIONS:
             raise ValueError(f"containerd version {version!r}: expected one of {list(VERSIONS)}")
         self.version = version
+        self.runtime = crun.check_runtime(runtime)
         self.lab = Path(lab)
         self.nri = nri
         self.plugin_registration_timeout = plugin_registration_timeout
@@ -231,6 +235,11 @@ class Containerd(RuntimeProcess):
         return debs.unpack(RUNC, self.lab) / "usr/sbin/runc"
 
     @property
+    def runtime_binary(self) -> Path:
+        """What the shim runs as its OCI runtime: runc itself, or the instance's crun wrapper."""
+        return self.runc if self.runtime == "runc" else self.dir / "bin" / "crun"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
@@ -259,7 +268,11 @@ class Containerd(RuntimeProcess):
         d = self.dir
         runc = {
             "runtime_type": "io.containerd.runc.v2",
-            "options": {"BinaryName": self.runc, "Root": self.runc_root, "SystemdCgroup": False},
+            "options": {
+                "BinaryName": self.runtime_binary,
+                "Root": self.runc_root,
+                "SystemdCgroup": False,
+            },
         }
         common = {
             "root": self.root,
@@ -357,6 +370,8 @@ class Containerd(RuntimeProcess):
                 }
             )
         )
+        if self.runtime == "crun":
+            crun.write_wrapper(self.runtime_binary, self.lab)
         self.config_path.write_text(_toml(self.config()))
 
     # -- lifecycle -------------------------------------------------------------------------

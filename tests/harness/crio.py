@@ -3,7 +3,8 @@
 Debian ships no CRI-O, so the binaries (``crio``, ``pinns``, ``copyimg``) come from the runtime
 lab's tarball next to the checkout (``../shared/runtimes/cri-o/``, or ``NRI_CRIO_DIST``), checked
 against pinned SHA256 sums - the tarball's and each binary's - before they are unpacked into the
-lab cache.  Everything else is Debian's: conmon 2.1.6 and runc 1.1.5 from bookworm.
+lab cache.  Everything else is Debian's: conmon 2.1.6 and runc 1.1.5 from bookworm (or crun
+1.8.1 as the default runtime handler, ``runtime="crun"``: harness/crun.py).
 
 Each :class:`Crio` owns:
 
@@ -13,8 +14,8 @@ Each :class:`Crio` owns:
   ``crio.log``;
 * a short private directory ``/run/nri-crio-<token>/`` (``shortpaths.py``) for what a long
   checkout path would break: the CRI and NRI sockets (108-byte ``sun_path``), the runroot (the
-  bundles, conmon's attach sockets), runc's state root, the namespaces pinns pins, the exit
-  files and the version file;
+  bundles, conmon's attach sockets), the OCI runtime's state root, the namespaces pinns pins,
+  the exit files and the version file;
 * a private top cgroup ``/nri-crio-<token>``: with the cgroupfs manager every pod cgroup, every
   container's ``crio-<id>`` and every conmon (``conmon_cgroup = "pod"``) is below it.
 
@@ -53,7 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import debs, host, image, shortpaths
+from . import crun, debs, host, image, shortpaths
 from .containerd import (
     HarnessError,
     _cleanup,
@@ -239,6 +240,8 @@ class Crio(RuntimeProcess):
     :attr:`plugin_path` are launched by CRI-O at start, configs in :attr:`plugin_config_path`).
     Hooks go into :attr:`hooks_dir` through :meth:`install_hook` (CRI-O watches the directory).
     ``config_overrides`` is merged into :meth:`config`, e.g. a second runtime handler.
+    ``runtime``: the default handler's OCI runtime, ``runc`` (handler ``runc``) or ``crun``
+    (handler ``crun``, as on Fedora, RHEL and OpenShift; harness/crun.py).
     """
 
     def __init__(
@@ -252,8 +255,10 @@ class Crio(RuntimeProcess):
         start_timeout: float = 30.0,
         config_overrides: Mapping[str, Any] | None = None,
         token: str | None = None,
+        runtime: str = "runc",
     ) -> None:
         self.version = VERSION
+        self.runtime = crun.check_runtime(runtime)
         self.lab = Path(lab)
         self.nri = nri
         self.plugin_registration_timeout = plugin_registration_timeout
@@ -324,12 +329,19 @@ class Crio(RuntimeProcess):
         return debs.unpack(RUNC, self.lab) / "usr/sbin/runc"
 
     @property
-    def runc_root(self) -> Path:
-        return self.short_dir / "runc"
+    def runtime_root(self) -> Path:
+        """The OCI runtime's state root (``runtime_root``: its ``--root``)."""
+        return self.short_dir / self.runtime
 
     @property
     def runtime_wrapper(self) -> Path:
-        return self.dir / "bin" / "runc"
+        """The handler's ``runtime_path``: the oom_score_adj clamp (workaround 1) around runc,
+        or around the crun wrapper."""
+        return self.dir / "bin" / self.runtime
+
+    @property
+    def crun_wrapper(self) -> Path:
+        return self.dir / "bin" / "crun-1.8.1"
 
     @property
     def pid(self) -> int | None:
@@ -364,7 +376,7 @@ class Crio(RuntimeProcess):
                 "runtime": {
                     "cgroup_manager": "cgroupfs",  # no systemd as PID 1 here
                     "conmon_cgroup": "pod",
-                    "default_runtime": "runc",
+                    "default_runtime": self.runtime,
                     "hooks_dir": [self.hooks_dir],
                     "log_level": self.log_level,
                     "drop_infra_ctr": True,
@@ -378,10 +390,10 @@ class Crio(RuntimeProcess):
                     "irqbalance_config_file": "",
                     "irqbalance_config_restore_file": "disable",
                     "runtimes": {
-                        "runc": {
+                        self.runtime: {
                             "runtime_path": self.runtime_wrapper,
                             "runtime_type": "oci",
-                            "runtime_root": self.runc_root,
+                            "runtime_root": self.runtime_root,
                             "monitor_path": conmon,
                             "monitor_cgroup": "pod",
                         }
@@ -405,6 +417,10 @@ class Crio(RuntimeProcess):
                 },
             }
         }
+        if self.runtime == "crun":
+            # crun 1.8.1 writes CRI-O's default -1 ("no limit") into pids.max literally, which
+            # the kernel refuses (EINVAL): 0 is the same "no limit" in a form it writes as max.
+            base["crio"]["runtime"]["pids_limit"] = 0
         return _merge(base, self.config_overrides)
 
     def _prepare(self) -> None:
@@ -431,7 +447,10 @@ class Crio(RuntimeProcess):
         (self.dir / "storage.conf").write_text(
             _toml({"storage": {"driver": "vfs", "graphroot": self.root, "runroot": self.runroot}})
         )
-        self.runtime_wrapper.write_text(_RUNC_WRAPPER.replace("__RUNC__", _sh_quote(self.runc)))
+        target = self.runc
+        if self.runtime == "crun":
+            target = crun.write_wrapper(self.crun_wrapper, self.lab)
+        self.runtime_wrapper.write_text(_RUNC_WRAPPER.replace("__RUNC__", _sh_quote(target)))
         self.runtime_wrapper.chmod(0o755)
         self.config_path.write_text(_toml(self.config()))
 
@@ -612,6 +631,8 @@ class Crio(RuntimeProcess):
         with contextlib.suppress(OSError):
             self._last_log = self.log_path.read_text(errors="replace").splitlines()[-200:]
         _cleanup(self.dir, self.short_dir, self.top_cgroup, timeout)
+        if self.runtime == "crun":
+            crun.remove_default_rundir()
         self._images_imported = False  # the storage went with the instance directory
         deadline = time.monotonic() + timeout
         while alive := [p for p, t in tracked.items() if host.is_alive(p, t)]:

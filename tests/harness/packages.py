@@ -20,6 +20,19 @@ RUNC = Deb(
     "1.1.5+ds1-1+deb12u1",
     "a00351f8c0318de0b424ecf5cd0fdb69880a89f3511cae4f6fff7de3e57881c5",
 )
+# crun 1.8.1 from bookworm: CRI-O's default OCI runtime on Fedora, RHEL and OpenShift, run by
+# containerd (io.containerd.runc.v2 with BinaryName) and CRI-O (harness/crun.py).  Its one
+# library the host lacks, libyajl2, is bookworm's too; patchelf points crun at it.
+CRUN = Deb(
+    "crun",
+    "1.8.1-1+deb12u1",
+    "34bdcf1a097ec34da2e7b77b65fa351134702af775174af22555b16421709c51",
+)
+LIBYAJL2 = Deb(
+    "libyajl2",
+    "2.1.0-3+deb12u2",
+    "b512a6efbe735e7c731185a1b3ea477ff306f0c3f6aa2970e85b12f01fe8063b",
+)
 BUSYBOX_STATIC = Deb(
     "busybox-static",
     "1:1.35.0-4+deb12u1+b1",
@@ -59,9 +72,10 @@ CRI_API = Deb(
 )
 
 # podman 4.3.1 from bookworm, run from `dpkg -x` (tests/harness/podman.py): the same
-# containers/common hooks.d code CRI-O uses, with bookworm's runc (crun 1.8.1 refuses this
-# host's hybrid cgroup layout).  patchelf points the extracted binaries at the extracted
-# libraries (conmon starts podman's cleanup with a scrubbed environment).
+# containers/common hooks.d code CRI-O uses, with bookworm's runc (podman runs crun 1.8.1
+# without harness/crun.py's wrapper, and it refuses this host's hybrid cgroup layout).
+# patchelf points the extracted binaries at the extracted libraries (conmon starts podman's
+# cleanup with a scrubbed environment).
 PODMAN = Deb(
     "podman",
     "4.3.1+ds1-8+deb12u1+b3",

@@ -5,6 +5,8 @@
 * ``make_crio`` - the same with options (NRI timeouts, plugins or hooks placed before start,
   ``nri=False``, config overrides); every instance made is torn down after the test.
 * ``crio_cri`` - the CRI client of ``crio``.
+* ``oci_runtime`` (tests/e2e/conftest.py): runc; ``e2e/runtimes.CRIO_BOTH`` runs a test on
+  runc and on crun 1.8.1 as CRI-O's default runtime handler.
 
 A CRI-O that cannot be prepared or started fails the test with its log's reason and tail;
 nothing here ever skips.  Failing tests get the CRI-O log tail attached to their report.
@@ -39,20 +41,23 @@ def crio_lab(lab: Path) -> Path:
 
 
 @pytest.fixture
-def make_crio(request: pytest.FixtureRequest, crio_lab: Path) -> Iterator[Callable[..., Crio]]:
-    """``make_crio(start=True, **options)`` -> a Crio; all are torn down after the test."""
+def make_crio(
+    request: pytest.FixtureRequest, crio_lab: Path, oci_runtime: str
+) -> Iterator[Callable[..., Crio]]:
+    """``make_crio(start=True, **options)`` -> a Crio on ``oci_runtime`` (runc unless the test
+    runs on both, e2e/runtimes.py); all are torn down after the test."""
     made: list[Crio] = []
     request.node._crios = made  # for the failure report below
 
     def make(*, start: bool = True, **options: Any) -> Crio:
-        instance = Crio(lab=crio_lab, **options)
+        instance = Crio(lab=crio_lab, **{"runtime": oci_runtime, **options})
         made.append(instance)
         if start:
             try:
                 instance.start()
                 error = None
             except Exception as e:
-                error = f"CRI-O {crio_harness.VERSION} did not start: {e}"
+                error = f"CRI-O {crio_harness.VERSION} ({oci_runtime}) did not start: {e}"
             if error:  # fail outside the except block: the message is the whole story
                 pytest.fail(error, pytrace=False)
         return instance

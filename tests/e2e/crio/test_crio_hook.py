@@ -1,6 +1,7 @@
 """The OCI hook through real CRI-O 1.36.3: CRI-O reads the project's hooks.d files from its
 ``hooks_dir``, matches them against each container's annotations and hands them to runc,
-which runs the hook at createRuntime and poststop.  The same scenarios as with the daemon
+which runs the hook at createRuntime and poststop (the ``CRIO_BOTH`` tests: runc, then crun
+1.8.1 as CRI-O's default runtime handler).  The same scenarios as with the daemon
 (test_crio_nri.py) wherever a hook can do them, on this 2-CPU machine: CPU 0 reserved (and
 shared), CPU 1 exclusive.
 
@@ -27,6 +28,7 @@ from harness.runc import hook_program
 
 from e2e.crio.hooksd import hook_files
 from e2e.daemon import REPO, check_agreement
+from e2e.runtimes import CRIO_BOTH
 
 HOOKS = REPO / "hooks"
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
@@ -71,6 +73,7 @@ def hooked(make_crio: Callable[..., Crio], tmp_path: Path) -> tuple[Crio, HookSt
     return instance, state
 
 
+@CRIO_BOTH
 def test_born_pinned_with_memory_node_and_no_quota(hooked: tuple[Crio, HookState]) -> None:
     instance, state = hooked
     cri = instance.cri()
@@ -84,6 +87,7 @@ def test_born_pinned_with_memory_node_and_no_quota(hooked: tuple[Crio, HookState
     check_agreement(state, cri)
 
 
+@CRIO_BOTH
 def test_siblings_move_before_create_returns_and_get_cpus_back_at_remove(
     hooked: tuple[Crio, HookState],
 ) -> None:
@@ -123,7 +127,10 @@ def test_a_stopped_container_frees_its_cpu_for_the_next_before_removal(
     assert list(state.state()["assignments"]) == [second["b"]]
 
 
-def test_impossible_request_is_refused_with_our_message(hooked: tuple[Crio, HookState]) -> None:
+@CRIO_BOTH
+def test_impossible_request_is_refused_with_our_message(
+    hooked: tuple[Crio, HookState], oci_runtime: str
+) -> None:
     instance, state = hooked
     cri = instance.cri()
     pinned = cri.run("one", [guaranteed("only", command=FIRST_LINE)])
@@ -131,9 +138,14 @@ def test_impossible_request_is_refused_with_our_message(hooked: tuple[Crio, Hook
     pod_id = cri.run_pod(PodSpec("greedy", qos="guaranteed"))
     with pytest.raises(CRIError) as err:
         cri.create_container(pod_id, guaranteed("two", 1))
-    # runc puts the hook's last stderr line in its error; CRI-O passes it to the CRI client.
     message = str(err.value)
-    assert "nri-cpuplugin:" in message and "asks for 1 exclusive CPUs" in message, message
+    if oci_runtime == "runc":
+        # runc puts the hook's last stderr line in its error; CRI-O passes it to the client.
+        assert "nri-cpuplugin:" in message and "asks for 1 exclusive CPUs" in message, message
+    else:
+        # crun names the hook and its exit code only: the reason is in the journal's record.
+        assert "error executing hook" in message and "nri-cpuplugin-hook" in message, message
+        assert "(exit code: 1)" in message and "exclusive" not in message, message
     assert cri.containers(pod_id) == []  # CRI-O removed the failed container
     assert check_agreement(state, cri) == {"only": "1"}
     assert state.records() == {pinned["only"]}
