@@ -62,7 +62,10 @@ def test_podman_loads_the_archive_and_runs_its_entrypoint(tmp_path: Path, image)
     policy.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
     (tmp_path / "hooks").mkdir()
     with Podman(hooks_dir=tmp_path / "hooks") as podman:
-        loaded = podman.run(["load", "--signature-policy", str(policy), "-i", str(image.archive)])
+        loaded = podman.run(
+            ["load", "--signature-policy", str(policy), "-i", str(image.archive)],
+            throwaway_var_lib=True,
+        )
         assert f"Loaded image: {NAME}" in loaded.stdout
         inspect = podman.run(["image", "inspect", "--format", "{{.Digest}}", NAME])
         assert inspect.stdout.strip() == image.digest

@@ -208,10 +208,24 @@ class Podman:
         ]
 
     def run(
-        self, args: Sequence[str], check: bool = True, timeout: float = 120
+        self,
+        args: Sequence[str],
+        check: bool = True,
+        timeout: float = 120,
+        throwaway_var_lib: bool = False,
     ) -> subprocess.CompletedProcess[str]:
+        """``throwaway_var_lib``: for commands that copy images (``load``), whose blob-info
+        cache goes to /var/lib/containers/cache, a path no option moves - they run in a private
+        mount namespace with a tmpfs on /var/lib, so the host's is never written."""
+        command = self.command(args)
+        if throwaway_var_lib:
+            command = [
+                "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c",
+                'mount -t tmpfs -o size=16m podman-var-lib /var/lib && exec "$@"', "sh",
+                *command,
+            ]  # fmt: skip
         result = subprocess.run(
-            self.command(args),
+            command,
             capture_output=True,
             text=True,
             timeout=timeout,
