@@ -3,7 +3,8 @@
 Exit codes (README.md, "Commands"): 0 success; 1 the request cannot be met (``allocate``: not
 enough suitable CPUs; ``status``: no usable state file) or ``run`` cannot start (e.g. its state
 lock is unusable); 2 bad input, usage or configuration (including a state directory that is not
-ours alone).  Errors are one line on stderr that says what was wrong and what to do.
+ours alone); ``status`` also 3, 4 and 5 for the daemon's health (ops/health.py).  Errors are
+one line on stderr that says what was wrong and what to do.
 """
 
 from __future__ import annotations
