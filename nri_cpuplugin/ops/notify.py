@@ -26,7 +26,9 @@ def notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
         path = "\0" + path[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(message.encode(), path)
+            # Never wait: called from the event loop, which answers the runtime.  A receiver
+            # whose queue is full (a few datagrams by default) loses this one instead.
+            sock.sendto(message.encode(), socket.MSG_DONTWAIT, path)
     except OSError as err:
         log.debug("cannot notify systemd at %s: %s", path, err)
         return False

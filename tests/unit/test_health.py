@@ -167,3 +167,28 @@ def test_the_heartbeat_stays_ready_between_beats_and_stale_when_the_worker_is_st
     clock.now += 10
     beat.beat()
     assert verdict(0).ready
+
+
+# --- sd_notify -------------------------------------------------------------------------------
+
+
+def test_notify_sends_one_datagram_and_never_waits_for_a_slow_reader(tmp_path: Path) -> None:
+    """The daemon notifies from its event loop: a receiver that does not read (its queue full)
+    must cost it a lost message, not a blocked loop (found by test_probes.py)."""
+    import socket
+
+    from nri_cpuplugin.ops.notify import notify, watchdog_interval
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(str(path))
+        env = {"NOTIFY_SOCKET": str(path)}
+        assert notify("READY=1\nSTATUS=registered", env)
+        assert receiver.recv(100) == b"READY=1\nSTATUS=registered"
+        sent = [notify("WATCHDOG=1", env) for _ in range(1000)]  # nobody reads them
+        assert sent[0] and not sent[-1]
+    assert not notify("READY=1", {})  # not under systemd: nothing to do
+    assert not notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "gone")})
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000"}) == 60.0
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval({}) is None and watchdog_interval({"WATCHDOG_USEC": "0"}) is None

@@ -10,6 +10,7 @@ before it says anything), as systemd would hear it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -38,7 +39,8 @@ def status(state_dir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 class Notifications:
-    """What the daemon sends to $NOTIFY_SOCKET, datagram by datagram."""
+    """What the daemon sends to $NOTIFY_SOCKET, datagram by datagram, read as it comes (as
+    systemd does: the sender drops what a full queue cannot take)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -46,25 +48,45 @@ class Notifications:
         self.sock.bind(str(path))
         self.sock.setblocking(False)
         self.seen: list[str] = []
+        self.read = 0  # how many of them until() has looked at
+        self._arrived: asyncio.Event | None = None
+        self._pump: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._arrived = asyncio.Event()
+        self._pump = asyncio.get_running_loop().create_task(self._receive())
+
+    async def _receive(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._arrived is not None
+        while True:
+            self.seen.append((await loop.sock_recv(self.sock, 4096)).decode())
+            self._arrived.set()
 
     async def until(self, text: str) -> str:
-        """The first datagram from now on that holds ``text``."""
-        loop = asyncio.get_running_loop()
+        """The first datagram not looked at yet that holds ``text``."""
+        assert self._arrived is not None
         while True:
-            message = (await asyncio.wait_for(loop.sock_recv(self.sock, 4096), WAIT)).decode()
-            self.seen.append(message)
-            if text in message:
-                return message
+            while self.read < len(self.seen):
+                self.read += 1
+                if text in self.seen[self.read - 1]:
+                    return self.seen[self.read - 1]
+            self._arrived.clear()
+            await asyncio.wait_for(self._arrived.wait(), WAIT)
 
-    def close(self) -> None:
+    async def stop(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
         self.sock.close()
 
 
 async def start_daemon(
-    tmp_path: Path, notify: Notifications, *args: str
+    tmp_path: Path, notify: Notifications, *args: str, **env: str
 ) -> asyncio.subprocess.Process:
     root, _ = build("single-socket-no-smt", tmp_path)
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path)}
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **env}
     return await asyncio.create_subprocess_exec(
         *CLI, "run", "--socket", str(tmp_path / "nri.sock"), "--state-dir",
         str(tmp_path / "state"), "--sysfs", str(root), "--reserved-cpus", "0", *args,
@@ -84,13 +106,14 @@ def test_ready_only_once_registered_and_live_throughout(tmp_path: Path) -> None:
     notify = Notifications(tmp_path / "notify")
 
     async def scenario() -> str:
+        notify.start()
         daemon = await start_daemon(tmp_path, notify)
         runtime = FakeRuntime(tmp_path / "nri.sock")
         try:
             # No runtime socket yet: alive, not registered, and it says why.
             said = await notify.until("STATUS=not registered")
             assert "nri.sock" in said and "is NRI enabled" in said
-            assert "READY=1" not in "".join(notify.seen)
+            assert "READY=1" not in "".join(notify.seen[: notify.read])
             ready, live = status(state_dir, "--ready"), status(state_dir, "--live")
             assert ready.returncode == 4 and ready.stdout == ""
             assert ready.stderr.startswith("nri-cpuplugin: not ready: the daemon (pid ")
@@ -114,12 +137,10 @@ def test_ready_only_once_registered_and_live_throughout(tmp_path: Path) -> None:
         finally:
             stderr = await stop_daemon(daemon)
             await runtime.close()
+            await notify.stop()
         return stderr
 
-    try:
-        stderr = asyncio.run(scenario())
-    finally:
-        notify.close()
+    stderr = asyncio.run(scenario())
     # The warning came at once, at warning level (not debug), with what to check.
     assert "WARNING nri_cpuplugin.nri: cannot connect to the runtime's NRI socket" in stderr
     records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
@@ -138,12 +159,16 @@ def test_not_live_while_the_worker_is_stuck(tmp_path: Path) -> None:
     config.write_text("[health]\ninterval = 0.05\n")  # stale after 1 s (health.MIN_STALE)
 
     async def scenario() -> None:
+        notify.start()
         runtime = FakeRuntime(tmp_path / "nri.sock")
         await runtime.start()
-        daemon = await start_daemon(tmp_path, notify, "--config", str(config))
+        # systemd's watchdog (WatchdogSec=): pinged while the worker answers, not while stuck
+        watchdog = {"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": ""}
+        daemon = await start_daemon(tmp_path, notify, "--config", str(config), **watchdog)
         holder = None
         try:
             await notify.until("READY=1")
+            await notify.until("WATCHDOG=1")
             assert status(state_dir, "--live").returncode == 0
             # Another process holds the state lock: the worker waits for it to commit a
             # Guaranteed container's CPUs, and answers no heartbeat meanwhile.
@@ -156,16 +181,17 @@ def test_not_live_while_the_worker_is_stuck(tmp_path: Path) -> None:
             live, ready = status(state_dir, "--live"), status(state_dir, "--ready")
             assert live.returncode == ready.returncode == 5
             assert "its worker has not answered for" in live.stderr
+            stuck_at = notify.read
             holder.release()
             await notify.until("STATUS=the worker answers again")
+            assert not [m for m in notify.seen[stuck_at : notify.read] if "WATCHDOG=1" in m]
             assert status(state_dir, "--live").returncode == 0
+            await notify.until("WATCHDOG=1")  # pinged again
         finally:
             if holder is not None:
                 holder.release()
             await stop_daemon(daemon)
             await runtime.close()
+            await notify.stop()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        notify.close()
+    asyncio.run(scenario())
