@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import __version__
 from ..hardware import hotplug
 from ..hardware.systemd_units import bus_path
 from ..ops import audit as audit_mod
@@ -109,6 +110,7 @@ class Daemon:
             reserved_cpus=policy.reserved,
             shared_cpus=node.state.shared,
             nri_version=nri,
+            version=__version__,  # which build took this configuration
         )
         self.audit.record("connect", f"connected to {runtime} {version}")
 

@@ -146,6 +146,7 @@ def test_ready_only_once_registered_and_live_throughout(tmp_path: Path) -> None:
     records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     start = [r for r in records if r["ACTION"] == "start"]
     assert len(start) == 1 and start[0]["VERSION"] == __version__
+    assert [r["VERSION"] for r in records if r["ACTION"] == "config"] == [__version__]
     # Stopped: not running, for status and both probes.
     for args in ((), ("--ready",), ("--live",)):
         result = status(state_dir, *args)
