@@ -191,6 +191,8 @@ def problems(report: dict[str, Any]) -> list[str]:
         found.append(report["health"]["message"])
     if report["state"] != "ok":
         found.append(report["problem"])  # (every problem names the file)
+    if report.get("topology_problem"):
+        found.append(f"free CPUs per NUMA node not shown: {report['topology_problem']}")
     return found
 
 

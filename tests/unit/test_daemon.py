@@ -81,6 +81,14 @@ def test_daemon_serves_the_runtime_and_status_reads_its_state(tmp_path):
         text=True,
     ).stdout
     assert "1,25" in text and "ns/db" in text
+    # What status cannot show is said on stderr, with the prefix, the state still shown.
+    blind = subprocess.run(
+        [*CLI, "status", "--state-dir", str(state_dir), "--sysfs", str(tmp_path / "no-sys")],
+        capture_output=True,
+        text=True,
+    )
+    assert "1,25" in blind.stdout
+    assert "nri-cpuplugin: free CPUs per NUMA node not shown: " in blind.stderr
 
 
 def test_invalid_config_is_rejected_at_start(tmp_path):
