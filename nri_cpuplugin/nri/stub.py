@@ -168,7 +168,7 @@ class Stub(PluginService):
                 why = connect_problem(self.socket_path, err)
                 self._tell(False, why)
                 if not warned or unwarned >= CONNECT_WARNING_EVERY:
-                    log.warning("%s; retrying every %gs", why, RECONNECT_MAX)
+                    log.warning("%s Retrying every %gs.", why, RECONNECT_MAX)
                     warned, unwarned = True, 0.0
                 else:
                     log.debug("cannot connect to %s: %s", self.socket_path, err)
