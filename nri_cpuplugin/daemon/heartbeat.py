@@ -60,6 +60,7 @@ class Heartbeat:
         self.ready_sent = False
         self.stuck = False  # the worker has not answered a heartbeat within stale_after
         self._write_failed = False
+        self._written = False
         self._stopping = asyncio.Event()
 
     # --- what the daemon tells it ---------------------------------------------------------
@@ -145,7 +146,8 @@ class Heartbeat:
     def publish(self) -> None:
         """Write the health file; a failure is logged once (the daemon pins all the same)."""
         try:
-            health.write(self.state_dir(), self.report())
+            health.write(self.state_dir(), self.report(), first=not self._written)
+            self._written = True
         except FileNotFoundError:
             pass  # no state directory yet (runtime-launched: until Configure names it)
         except OSError as err:

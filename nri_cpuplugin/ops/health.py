@@ -69,10 +69,18 @@ def stale_after(interval: float) -> float:
     return max(MIN_STALE, STALE_BEATS * interval)
 
 
-def write(state_dir: str, report: dict[str, Any]) -> None:
-    """Replace the health file (atomically, not durably); raises OSError."""
+def write(state_dir: str, report: dict[str, Any], first: bool = False) -> None:
+    """Replace the health file (atomically, not durably); raises OSError.  ``first``: the
+    writer's first write, which also removes temp files of a writer killed mid-write (one
+    daemon per state directory: no other writer can be in progress)."""
     data = jsonbytes.dumps(report, sort_keys=True, indent=True)
-    files.write_atomic(state_dir, HEALTH_FILE, data, durable=False)
+    dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if first:
+            files.remove_temps(dir_fd, f".{HEALTH_FILE}.", ".tmp")
+        files.write_atomic(state_dir, HEALTH_FILE, data, durable=False, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def read(state_dir: str) -> dict[str, Any] | None:

@@ -54,7 +54,8 @@ def test_verdicts(running, said, now, verdict, live, words) -> None:
 
 
 def test_the_file_round_trips_and_a_foreign_one_is_none(tmp_path: Path) -> None:
-    health.write(str(tmp_path), report())
+    (tmp_path / ".health.json.0123456789ab.tmp").write_text("{")  # a writer killed mid-write
+    health.write(str(tmp_path), report(), first=True)
     assert health.read(str(tmp_path)) == report()
     assert [p.name for p in tmp_path.iterdir()] == ["health.json"]  # no temp file left
     (tmp_path / "health.json").write_text("[1, 2]")
