@@ -67,6 +67,8 @@ class Heartbeat:
 
     def connection(self, registered: bool, detail: str) -> None:
         """The stub registered with the runtime (``detail``: which), or is not (why not)."""
+        if not registered and not self.registered and detail == self.connect_error:
+            return  # the same failed attempt again (each second): the beat rewrites the file
         if registered != self.registered:
             self.registered, self.since = registered, self.clock()
         self.runtime, self.connect_error = (detail, "") if registered else (self.runtime, detail)
