@@ -3,11 +3,13 @@
 Exit codes (README.md, "Commands"): 0 success; 1 the request cannot be met (``allocate``: not
 enough suitable CPUs; ``status``: no usable state file) or ``run`` cannot start (e.g. its state
 lock is unusable); 2 bad input, usage or configuration (including a state directory that is not
-ours alone).  Errors are one line on stderr that says what was wrong and what to do.
+ours alone); ``status`` also 3, 4 and 5 for the daemon's health (ops/health.py).  Errors are
+one line on stderr that says what was wrong and what to do.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +43,7 @@ EXIT_UNSATISFIABLE = 1
 EXIT_USAGE = 2
 # Reasons `run` cannot start that the operator fixes in the configuration or the node's setup
 # (exit 2, like a bad flag): the state directory is unusable or not ours alone.
-START_USAGE_CODES = ("state-dir",)
+START_USAGE_CODES = ("state-dir", "launch")
 
 
 class UsageError(PluginError):
@@ -153,8 +155,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    from . import __version__
     from .daemon.service import Daemon
     from .nri.stub import Stub
+    from .ops import kubelet
     from .ops.audit import Audit
 
     base, flags = _settings_from_args(args)
@@ -162,6 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    kubelet.check(settings.kubelet_cpu_manager_state)  # kubelet's static policy: exit 2
     try:
         daemon = Daemon(base, Audit(), flags)
         stub = Stub.from_environment(
@@ -178,6 +183,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         # file and what to do (systemd logs it), never a traceback.
         print(f"nri-cpuplugin: {err}", file=sys.stderr)
         return EXIT_USAGE if err.code in START_USAGE_CODES else EXIT_UNSATISFIABLE
+    # Once it is sure to run (a refusal above is one line on stderr, nothing else).
+    daemon.audit.record(
+        "start", f"nri-cpuplugin {__version__} started (pid {os.getpid()})",
+        version=__version__, pid=os.getpid(),
+    )  # fmt: skip
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -186,9 +196,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if stub.launched_fd is None:
             await daemon.start_metrics()  # launched: once the runtime's config is known
             daemon.start_hotplug()  # follow CPUs going offline/online even while disconnected
+        beating = asyncio.create_task(daemon.heartbeat.run())
         try:
             await stub.run()
         finally:
+            daemon.heartbeat.stop()
+            await beating
             daemon.stop_hotplug()
             await daemon.drain()
 
@@ -205,24 +218,32 @@ def cmd_install_hook(args: argparse.Namespace) -> int:
     except LauncherError as err:
         raise UsageError(str(err)) from None
     except OSError as err:
-        raise UsageError(f"cannot write {args.path}: {err.strerror}") from None
+        # (files.FileError's message names the file and the reason; a bare OSError's does not)
+        reason = str(err) if isinstance(err, PluginError) else f"{err.strerror or err}"
+        prefix = "" if isinstance(err, PluginError) else f"cannot write {args.path}: "
+        raise UsageError(prefix + reason) from None
     print(f"wrote {args.path}: the OCI hook, run by {args.python or sys.executable} -I -S")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .ops.status import render_text, snapshot
+    from .ops.status import command
 
-    report = snapshot(args.state_dir, args.sysfs)
-    if args.json:
-        sys.stdout.write(jsonbytes.dumps(report, indent=True).decode() + "\n")
-    else:
-        sys.stdout.write(render_text(report))
-    return 0 if report["state"] == "ok" else 1
+    probe = "ready" if args.ready else "live" if args.live else ""
+    return command(args.state_dir, args.sysfs, args.json, probe)
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    from . import __version__
+
+    print(f"nri-cpuplugin {__version__}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     import argparse  # here: `hook` never builds this parser (see main)
+
+    from . import __version__
 
     parser = argparse.ArgumentParser(
         prog="nri-cpuplugin",
@@ -230,9 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success; 1 the request cannot be met or the command failed; "
         "2 bad input, usage or configuration (`COMMAND --help` says more).",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"nri-cpuplugin {__version__}",
+        help="print the version and exit",
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_topology, _add_allocate, _add_run, _add_hook, _add_install_hook, _add_status):
         add(commands)
+    commands.add_parser("version", help="print the version", epilog="Exit status: 0.").set_defaults(
+        func=cmd_version
+    )
     return parser
 
 
@@ -348,9 +376,13 @@ def _add_install_hook(commands: Subparsers) -> None:
 def _add_status(commands: Subparsers) -> None:
     status = commands.add_parser(
         "status",
-        help="pools and assignments from the state file",
-        epilog="Exit status: 0 the state is shown; 1 there is no usable state file (missing, "
-        "or unreadable: the message says why).",
+        help="the daemon's health, and pools and assignments from the state file",
+        epilog="Exit status: 0 the state is shown and the daemon, if one owns the state "
+        "directory, is healthy; 1 there is no usable state file (missing, or unreadable: the "
+        "message says why); 3 the daemon is not running; 4 it runs but is not registered "
+        "with the runtime; 5 it is stale (its event loop or worker does not answer, or it "
+        "lags behind the runtime's events).  With --ready or --live: 0 ready (live), else "
+        "3, 4 or 5 as above.",
     )
     status.add_argument(
         "--state-dir",
@@ -365,6 +397,19 @@ def _add_status(commands: Subparsers) -> None:
         help="sysfs root for the free CPUs per NUMA node (/sys)",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    probe = status.add_mutually_exclusive_group()
+    probe.add_argument(
+        "--ready",
+        action="store_true",
+        help="readiness probe: exit 0 only when the daemon is registered with the runtime "
+        "and keeps up with its events",
+    )
+    probe.add_argument(
+        "--live",
+        action="store_true",
+        help="liveness probe: exit 0 unless the daemon is not running or its event loop or "
+        "worker does not answer",
+    )
     status.set_defaults(func=cmd_status)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from .. import __version__
 from ..base import jsonbytes, shape
 from ..base.errors import PluginError
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 FORMAT_VERSION = 1
+# Which build wrote a document ("written_by"): for the operator after an upgrade or a rollback.
+# Informational only: readers of every version ignore fields they do not know (decode reads
+# the fields it names), and the checksum covers it like any other field.
+WRITER = f"nri-cpuplugin {__version__}"
 CONTAINER_KINDS = ("app", "init", "sidecar")
 
 
@@ -208,6 +213,7 @@ def _assignment_document(a: Assignment) -> dict[str, Any]:
 def to_document(state: NodeState) -> dict[str, Any]:
     body = {
         "version": FORMAT_VERSION,
+        "written_by": WRITER,
         "policy": state.policy,
         "fingerprint": state.fingerprint,
         "reserved": str(state.reserved),

@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import __version__
 from ..hardware import hotplug
 from ..hardware.systemd_units import bus_path
 from ..ops import audit as audit_mod
@@ -26,6 +27,7 @@ from ..ops.metrics import Metrics
 from . import events as ev
 from .adapter import NRIAdapter
 from .deadline import DRAIN_TIMEOUT, Deadline
+from .heartbeat import Heartbeat
 from .node import Node
 from .pod_nics import PodNICs
 from .units import SystemdUnits
@@ -58,6 +60,12 @@ class Daemon:
         )  # fmt: skip
         self.deadline = Deadline(self.node, audit, self.worker)
         self.adapter = NRIAdapter(self.deadline, self.node, self.pod_nics, self)
+        self.heartbeat = Heartbeat(
+            self.worker,
+            lambda: self.node.settings.state_dir,
+            lambda: self.deadline.budget,
+            merge(settings, flags or {}).health_interval,
+        )
         self.hotplug: hotplug.UeventListener | None = None
         self._metrics_server: Any = None
         self._stub: Any = None
@@ -71,10 +79,12 @@ class Daemon:
         """The stub that serves the adapter: its request timeout bounds the budget."""
         self._stub = stub
         self.adapter.stub = stub
+        stub.on_connection = self.heartbeat.connection
         self.deadline.request_timeout = lambda: getattr(stub, "request_timeout", None)
 
     def observe_request(self, method: str, seconds: float) -> None:
         self.node.metrics.observe_handler(method, seconds)
+        self.heartbeat.event_seen()
 
     def load_state(self) -> None:
         """Before the runtime connects (an external daemon is ready before its runtime is)."""
@@ -100,6 +110,7 @@ class Daemon:
             reserved_cpus=policy.reserved,
             shared_cpus=node.state.shared,
             nri_version=nri,
+            version=__version__,  # which build took this configuration
         )
         self.audit.record("connect", f"connected to {runtime} {version}")
 

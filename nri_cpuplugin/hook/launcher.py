@@ -69,12 +69,48 @@ def source(python: str, root: str) -> str:
     )
 
 
+# What check_interpreter's probe prints when the interpreter can run the hook.
+_PROBE_OK = "nri-cpuplugin hook importable"
+
+
+def check_interpreter(python: str, root: str) -> None:
+    """Refuse an interpreter the launcher could not run the hook with: a launcher naming it
+    would fail every container start.  Runs it once as the launcher will (``-I -S``, the
+    package directory appended) and has it import the hook."""
+    import subprocess
+
+    # (Execute bits, not access(2): to root that says yes to a file with none.)
+    if not os.path.isfile(python) or not os.stat(python).st_mode & 0o111:
+        what = "is not an executable file" if os.path.exists(python) else "does not exist"
+        raise LauncherError(
+            f"interpreter {python} {what}; pass --python with the path of a Python >= 3.11 "
+            "(a launcher naming it would fail every container start)"
+        )
+    probe = f"import sys; sys.path.append({root!r}); import nri_cpuplugin.hook.entry; "
+    probe += f"print({_PROBE_OK!r})"
+    try:
+        done = subprocess.run(
+            [python, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise LauncherError(f"interpreter {python} cannot be run: {err}") from None
+    if done.returncode != 0 or done.stdout.strip() != _PROBE_OK:
+        last = (done.stderr.strip().splitlines() or ["it printed nothing we expected"])[-1]
+        raise LauncherError(
+            f"interpreter {python} cannot run the hook ({last}); pass --python with a "
+            f"Python >= 3.11 that can import the package in {root}"
+        )
+
+
 def install(path: str = DEFAULT_PATH, python: str | None = None) -> str:
     """Write the launcher to ``path`` (mode 0755, replacing what is there - a file or the
     symlink to pip's console script - in one rename).  Returns its text."""
     if not os.path.isabs(path):
         raise LauncherError(f"--path {path!r} must be absolute: hooks.d names programs absolutely")
-    text = source(python or sys.executable, package_root())
+    root = package_root()
+    text = source(python or sys.executable, root)
+    if python is not None:
+        check_interpreter(python, root)
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise LauncherError(f"directory {directory} does not exist; create it or pass --path")

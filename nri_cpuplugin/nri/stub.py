@@ -45,6 +45,9 @@ NRI_VERSION = "v0.12.0"
 # an error keeps a budget of its own below it (the CPU plugin: daemon/deadline.py, 75 %).
 DEADLINE_SHARE = 0.9
 RECONNECT_MIN, RECONNECT_MAX = 0.05, 1.0
+# A daemon that cannot reach its runtime says so at warning level at once and then this often
+# (in seconds of retrying), with what to check: otherwise it would wait unseen.
+CONNECT_WARNING_EVERY = 60.0
 
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
@@ -60,6 +63,12 @@ class RegistrationError(PluginError):
     """The runtime refused or ignored our RegisterPlugin."""
 
     code = "registration"
+
+
+class LaunchError(PluginError, ValueError):
+    """NRI_PLUGIN_SOCKET does not name the socket a launching runtime passes."""
+
+    code = "launch"
 
 
 class UpdateError(PluginError):
@@ -109,6 +118,9 @@ class Stub(PluginService):
         self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future[wire.ResponseReceived]] = {}
         self._tasks: set[asyncio.Task] = set()
+        # Told (registered, detail) as the registration comes and goes: the runtime's name and
+        # version, or why not (daemon/heartbeat.py publishes it for status and the probes).
+        self.on_connection: Callable[[bool, str], None] | None = None
 
     @classmethod
     def from_environment(
@@ -127,8 +139,7 @@ class Stub(PluginService):
             return cls(
                 plugin, name, index, socket_path, observe=observe, unimplemented=unimplemented
             )
-        if not fd.isdigit():
-            raise ValueError(f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number")
+        _check_launched_fd(fd)
         return cls(
             plugin,
             os.environ.get("NRI_PLUGIN_NAME") or name,
@@ -148,22 +159,34 @@ class Stub(PluginService):
             await self._serve_connection(reader, writer)
             return
         delay = RECONNECT_MIN
+        unwarned = 0.0  # seconds retried since the last warning
+        warned = False
         while not self._stopping.is_set():
             try:
                 reader, writer = await asyncio.open_unix_connection(self.socket_path)
             except OSError as err:
-                log.debug(
-                    "cannot connect to %s: %s; retrying in %.2fs", self.socket_path, err, delay
-                )
+                why = connect_problem(self.socket_path, err)
+                self._tell(False, why)
+                if not warned or unwarned >= CONNECT_WARNING_EVERY:
+                    log.warning("%s Retrying every %gs.", why, RECONNECT_MAX)
+                    warned, unwarned = True, 0.0
+                else:
+                    log.debug("cannot connect to %s: %s", self.socket_path, err)
                 await pause(self._stopping, delay)
+                unwarned += delay
                 delay = min(delay * 2, RECONNECT_MAX)
                 continue
+            warned = False
             await self._serve_connection(reader, writer)
             # A connection that ended before a Configure went through (a refused
             # subscription, say) backs off rather than retry the same failure 20 times a second.
             delay = RECONNECT_MIN if self._configured else min(delay * 2, RECONNECT_MAX)
             if not self._stopping.is_set():
                 await pause(self._stopping, delay)
+
+    def _tell(self, registered: bool, detail: str) -> None:
+        if self.on_connection is not None:
+            self.on_connection(registered, detail)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -181,12 +204,15 @@ class Stub(PluginService):
             await self._register()
             log.info("registered with the runtime as %s-%s", self.index, self.name)
             self.connected.set()
+            runtime = f"{self.runtime_name} {self.runtime_version}".strip()
+            self._tell(True, runtime or "the runtime")
             await reading
         except (RegistrationError, ProtocolError, ConnectionError, TimeoutError) as err:
             if self._stopping.is_set():  # stop() closed it (SIGTERM): not the runtime's doing
                 log.info("NRI connection closed: stopping")
             else:
                 log.warning("NRI connection ended: %s", err)
+                self._tell(False, f"the NRI connection ended: {err}")
         finally:
             self.connected.clear()
             reading.cancel()
@@ -366,3 +392,48 @@ class Stub(PluginService):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def connect_problem(path: str, err: OSError) -> str:
+    """Why the runtime's NRI socket cannot be reached, and what to check."""
+    import errno
+
+    base = f"cannot connect to the runtime's NRI socket {path}: {err.strerror or err}"
+    if err.errno == errno.ENOENT:
+        hint = (
+            "is NRI enabled in the runtime's configuration (containerd: "
+            '[plugins."io.containerd.nri.v1.nri"] disable = false, off by default in 1.7; '
+            "CRI-O: enable_nri = true), and is this the socket path it uses (nri.socket, "
+            "--socket)?"
+        )
+    elif err.errno in (errno.EACCES, errno.EPERM):
+        hint = "run the daemon as root (the socket's directory is root's, mode 0700); SELinux?"
+    elif err.errno == errno.ECONNREFUSED:
+        hint = "the socket exists but nothing listens: is the runtime running?"
+    else:
+        hint = "is the runtime running with NRI enabled, and is this its socket path?"
+    return f"{base} - {hint}"
+
+
+def _check_launched_fd(value: str) -> None:
+    """NRI_PLUGIN_SOCKET must name an open socket: the runtime sets it when it launches the
+    plugin.  Raises LaunchError saying what to do otherwise."""
+    import stat
+
+    if not value.isdigit():
+        raise LaunchError(
+            f"NRI_PLUGIN_SOCKET={value!r} is not a file descriptor number; the runtime sets it "
+            "when it launches the plugin: unset it to run as a daemon on the runtime's socket"
+        )
+    try:
+        mode = os.fstat(int(value)).st_mode
+    except OSError as err:
+        raise LaunchError(
+            f"NRI_PLUGIN_SOCKET={value}: no such open file descriptor ({err.strerror}); the "
+            "runtime sets it when it launches the plugin: unset it to run as a daemon"
+        ) from None
+    if not stat.S_ISSOCK(mode):
+        raise LaunchError(
+            f"NRI_PLUGIN_SOCKET={value}: file descriptor {value} is not a socket; the runtime "
+            "sets it when it launches the plugin: unset it to run as a daemon"
+        )

@@ -33,6 +33,9 @@ _PLUGIN_NAME = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # The runtime's request timeout can be raised (containerd's plugin_request_timeout), so the
 # budget may be too; beyond a minute a "budget" would only hide a stuck daemon.
 MAX_REQUEST_BUDGET = 60.0
+# Heartbeats (health.interval): below 50 ms they would cost the node; above 5 minutes a stuck
+# daemon would go unnoticed for a quarter of an hour.
+MIN_INTERVAL, MAX_INTERVAL = 0.05, 300.0
 # A host name label (RFC 1123): letters, digits and inner hyphens, at most 63 characters.
 # A DNS label; re is imported where it is used: only a config that sets metrics.listen needs it.
 _HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -77,6 +80,11 @@ class Settings(Value):
     # Keep device interrupts off every exclusive container's CPUs (core/irq.py); pods may ask
     # for it one by one with irq-free.nri-cpuplugin.io: "true" either way.
     irq_keep_off_exclusive: bool = False
+    # Seconds between the daemon's heartbeats: its health file, systemd's watchdog (ops/health.py).
+    health_interval: float = 10.0
+    # kubelet's CPU manager checkpoint: the daemon refuses to start while it says "static"
+    # (ops/kubelet.py); "" skips the check.
+    kubelet_cpu_manager_state: str = "/var/lib/kubelet/cpu_manager_state"
 
     @property
     def effective_reserved_count(self) -> int | None:
@@ -302,6 +310,21 @@ def _request_budget(value: Any, where: str) -> float:
     return float(value)
 
 
+def _interval(value: Any, where: str) -> float:
+    if type(value) not in (int, float) or not MIN_INTERVAL <= value <= MAX_INTERVAL:
+        raise ConfigError(
+            f"{where} = {value!r}: expected seconds, a number from {MIN_INTERVAL:g} to "
+            f"{MAX_INTERVAL:g} (like 10)"
+        )
+    return float(value)
+
+
+def _optional_path(value: Any, where: str) -> str:
+    if not isinstance(value, str) or (value and not value.startswith("/")):
+        raise ConfigError(f'{where} = {value!r}: expected an absolute path, or "" for none')
+    return value
+
+
 def _plugin_name(value: Any, where: str) -> str:
     if not (isinstance(value, str) and value and _PLUGIN_NAME.issuperset(value)):
         raise ConfigError(f"{where} = {value!r}: expected letters, digits and _.+- only")
@@ -336,8 +359,8 @@ def _path(value: Any, where: str) -> str:
 
 
 # Every key of the TOML file and the runtime's config string: top-level keys, plus the [nri],
-# [metrics], [systemd] and [irq] tables ("table.key"), with the Settings field each sets and
-# its check.
+# [metrics], [systemd], [irq], [health] and [kubelet] tables ("table.key"), with the Settings
+# field each sets and its check.
 _KEYS: dict[str, tuple[str, Check]] = {
     "reserved_cpus": ("reserved_cpus", _reserved_cpus),
     "reserved_cpu_count": ("reserved_cpu_count", _reserved_cpu_count),
@@ -356,6 +379,8 @@ _KEYS: dict[str, tuple[str, Check]] = {
     "metrics.listen": ("metrics_listen", _listen),
     "systemd.bus": ("systemd_bus", _bus),
     "irq.keep_off_exclusive": ("irq_keep_off_exclusive", _boolean),
+    "health.interval": ("health_interval", _interval),
+    "kubelet.cpu_manager_state": ("kubelet_cpu_manager_state", _optional_path),
 }
 _TABLES = frozenset(key.partition(".")[0] for key in _KEYS if "." in key)
 KNOWN_KEYS = sorted(_KEYS)

@@ -4,8 +4,8 @@ Names follow kubelet's CPU manager metrics under our prefix, so dashboards carry
 ``nri_cpuplugin_pinning_requests_total`` / ``_pinning_errors_total``,
 ``_shared_pool_size_millicores``, ``_exclusive_cpu_allocation_count``,
 ``_allocation_per_numa{numa_node}``; plus handler latency per NRI event, state commit latency,
-requests answered without their decision (``_deadline_misses_total{event,reason}``) and
-whether the runtime connection is up.
+requests answered without their decision (``_deadline_misses_total{event,reason}``),
+whether the runtime connection is up, and the running build (``_build_info{version}``).
 
 The endpoint is served from the daemon's own asyncio loop rather than prometheus_client's
 HTTP server thread, whose accept loop wakes up every half second: an idle node agent should
@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .. import __version__
 from ..core.state import NodeState
 from ..core.topology import Topology
 from .config import parse_listen
@@ -96,6 +97,11 @@ class Metrics:
             f"{PREFIX}_runtime_connected", "1 while connected to the runtime over NRI.",
             registry=registry,
         )  # fmt: skip
+        # Which build serves this endpoint (a rollout is confirmed by the version it reports).
+        Gauge(
+            f"{PREFIX}_build_info", "Always 1; its version label is the running build's.",
+            ["version"], registry=registry,
+        ).labels(version=__version__).set(1)  # fmt: skip
 
     def pinning_request(self) -> None:
         self.requests.inc()

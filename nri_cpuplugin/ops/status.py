@@ -10,20 +10,56 @@ daemon or hooks: commits replace the file atomically, so the reader sees one who
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
+from .. import __version__
+from ..base import jsonbytes
 from ..core.cpuset import CPUSet
 from ..core.irq import DEFAULT, keep_free
 from ..core.state import Assignment, Earmark, NodeState
 from ..core.topology import Topology, TopologyError, discover
 from ..storage import owner
 from ..storage.store import MISSING, StateStore
+from . import health
+
+# ``status``'s exit codes besides the daemon's health (ops/health.py: 0, 3, 4, 5).
+EXIT_NO_STATE = 1
+
+
+def command(state_dir: str, sysfs: str, as_json: bool, probe: str = "") -> int:
+    """``nri-cpuplugin status``: its output and exit code.  ``probe`` ("ready" or "live"): the
+    daemon's health only (no state file, no topology), in one line."""
+    import sys
+
+    if probe:
+        verdict = daemon_health(state_dir)
+        what = "live" if probe == "live" else "ready"
+        if not verdict[what]:
+            print(f"nri-cpuplugin: not {what}: {verdict['message']}", file=sys.stderr)
+            return int(verdict["exit_code"])
+        print(f"{what}: {verdict['message']}")
+        return 0
+    report = snapshot(state_dir, sysfs)
+    if as_json:
+        sys.stdout.write(jsonbytes.dumps(report, indent=True).decode() + "\n")
+    else:
+        sys.stdout.write(render_text(report))
+    for problem in problems(report):
+        print(f"nri-cpuplugin: {problem}", file=sys.stderr)
+    return exit_code(report)
 
 
 def snapshot(state_dir: str, sysfs: str) -> dict[str, Any]:
     store = StateStore(state_dir)
     result = store.peek()
-    report: dict[str, Any] = {"state_file": str(store.state_path), "daemon": _daemon(state_dir)}
+    daemon = _daemon(state_dir)
+    report: dict[str, Any] = {
+        "version": __version__,
+        "state_file": str(store.state_path),
+        "daemon": daemon,
+        "health": daemon_health(state_dir, daemon),
+    }
     if result.state is None:
         report.update(
             state="missing" if result.code == MISSING else "bad",
@@ -120,6 +156,46 @@ def _honoured(nic_nodes: CPUSet, numa: CPUSet, placed: bool) -> str:
     return "yes" if numa <= nic_nodes else "no"
 
 
+def daemon_health(state_dir: str, daemon: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The verdict on the daemon that owns ``state_dir`` (ops/health.py), and what it said."""
+    if daemon is None:
+        daemon = _daemon(state_dir)
+    running = None if daemon is None else daemon["running"]
+    pid = None if daemon is None else daemon["pid"]
+    said = health.read(state_dir) if running else None
+    verdict = health.judge(running, pid, said, time.time())
+    return {
+        "verdict": verdict.verdict,
+        "message": verdict.message,
+        "live": verdict.live,
+        "ready": verdict.ready,
+        "exit_code": verdict.exit_code,
+        "daemon_version": (said or {}).get("version"),
+        "report": said,
+    }
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """0 when all is well; else the daemon's health code when a daemon owns the directory
+    and is not healthy, else 1 when there is no usable state file."""
+    verdict = report["health"]
+    if report["daemon"] is not None and verdict["exit_code"]:
+        return int(verdict["exit_code"])
+    return 0 if report["state"] == "ok" else EXIT_NO_STATE
+
+
+def problems(report: dict[str, Any]) -> list[str]:
+    """What is wrong, one line each (for stderr)."""
+    found = []
+    if report["daemon"] is not None and report["health"]["exit_code"]:
+        found.append(report["health"]["message"])
+    if report["state"] != "ok":
+        found.append(report["problem"])  # (every problem names the file)
+    if report.get("topology_problem"):
+        found.append(f"free CPUs per NUMA node not shown: {report['topology_problem']}")
+    return found
+
+
 def _daemon(state_dir: str) -> dict[str, Any] | None:
     """Whether an NRI daemon owns the state directory (storage/owner.py): then it places the
     node's containers and an OCI hook on the node stands aside."""
@@ -144,9 +220,10 @@ def _owner_line(daemon: dict[str, Any] | None) -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
+    lines = _daemon_lines(report)
     if report["state"] != "ok":
-        return f"{report['problem']}\n"  # (every problem names the file)
-    lines = _pool_lines(report)
+        return "\n".join(lines) + "\n"  # the problem goes to stderr (problems())
+    lines += _pool_lines(report)
     if report["assignments"]:
         lines += ["", *_assignment_lines(report["assignments"])]
     if report.get("degraded"):
@@ -154,10 +231,21 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _daemon_lines(report: dict[str, Any]) -> list[str]:
+    verdict = report["health"]
+    running = verdict["daemon_version"]
+    version = f"version     {report['version']}"
+    if running:
+        version += f" (the daemon runs {running})"
+    lines = [version, _owner_line(report.get("daemon"))]
+    if report.get("daemon") is not None:
+        lines.append(f"health      {verdict['verdict']}: {verdict['message']}")
+    return lines
+
+
 def _pool_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"state file  {report['state_file']}  (policy {report['policy']})",
-        _owner_line(report.get("daemon")),
         f"reserved    {report['reserved'] or '-'}",
         f"shared      {report['shared'] or '-'}  ({report['shared_containers']} containers)",
         f"exclusive   {report['exclusive'] or '-'}",

@@ -201,12 +201,19 @@ class StateStore:
 
     def _make_dir(self) -> None:
         try:
-            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        except FileExistsError:
+            os.mkdir(self.state_dir, mode=0o700)
+        except FileNotFoundError:
+            parent = os.path.dirname(os.path.abspath(self.state_dir))
             raise StateDirError(
-                f"state directory {self.state_dir} exists but is not a directory; remove "
-                "it or configure another state directory"
+                f"cannot create state directory {self.state_dir}: its parent {parent} does not "
+                "exist (only the last component is created); create it, or fix the path"
             ) from None
+        except FileExistsError:
+            if not os.path.isdir(self.state_dir):  # (else made meanwhile by another process)
+                raise StateDirError(
+                    f"state directory {self.state_dir} exists but is not a directory; remove "
+                    "it or configure another state directory"
+                ) from None
         except OSError as err:
             raise StateDirError(
                 f"cannot create state directory {self.state_dir}: {err.strerror or err}"

@@ -121,12 +121,15 @@ class Daemon:
     def status(self, sysfs: str | None = None) -> dict:
         """`nri-cpuplugin status --json` once the daemon's commits have settled."""
         settled_state(self.state_dir)
-        out = subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir",
              str(self.state_dir), "--json", *(["--sysfs", sysfs] if sysfs else [])],
-            capture_output=True, text=True, check=True, cwd=REPO,
-        ).stdout  # fmt: skip
-        return json.loads(out)
+            capture_output=True, text=True, check=False, cwd=REPO,
+        )  # fmt: skip
+        # 0, or the daemon's health (3 not running, 4 not connected, 5 stale): the report
+        # says which; 1 and 2 (no state, bad usage) are failures here.
+        assert done.returncode in (0, 3, 4, 5), done.stderr
+        return json.loads(done.stdout)
 
 
 def settled_state(state_dir: Path) -> dict:

@@ -231,12 +231,16 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
 
     def status(self) -> dict:
         """``nri-cpuplugin status --json`` in the guest."""
-        out = self.guest.check(
+        done = self.guest.run(
             ["/usr/bin/python3", "-m", "nri_cpuplugin.cli", "status", "--json"],
             env=self.guest.python_env(),
             timeout=120,
         )
-        return json.loads(out)
+        # 0, or the daemon's health (3 not running, 4 not connected, 5 stale; the report
+        # says which): 1 and 2 (no state, bad usage) are failures here.
+        if done.timed_out or done.rc not in (0, 3, 4, 5):
+            raise GuestError(done.describe())
+        return json.loads(done.stdout)
 
 
 def _sandbox_exceptions(python_path: list[str]) -> str:

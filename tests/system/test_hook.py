@@ -264,25 +264,28 @@ def test_hook_stands_aside_while_an_nri_daemon_owns_the_state_directory(
 
 
 def test_status_says_who_places_the_containers(box: CgroupSandbox) -> None:
-    def status() -> tuple[dict, str]:
+    def status(code: int) -> tuple[dict, str]:
         args = [sys.executable, "-m", "nri_cpuplugin.cli", "status", "--state-dir"]
         run = [*args, str(box.state_dir)]
-        text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
-        report = subprocess.run([*run, "--json"], capture_output=True, text=True, check=True)
-        return json.loads(report.stdout), text
+        text = subprocess.run(run, capture_output=True, text=True)
+        report = subprocess.run([*run, "--json"], capture_output=True, text=True)
+        assert text.returncode == report.returncode == code, text.stderr
+        return json.loads(report.stdout), text.stdout
 
     db = box.add(pod("db"), "db", millicores=1000, limit=1000)
     assert box.hook(db).returncode == 0
-    report, text = status()
+    report, text = status(0)
     assert report["daemon"] is None and "OCI hook mode" in text
     dir_fd = os.open(box.state_dir, os.O_RDONLY | os.O_DIRECTORY)
     claim = owner.claim(dir_fd, str(box.state_dir), wait=0)
     os.close(dir_fd)
-    report, text = status()
+    # A "daemon" (this test) that never reports its health: stale (exit 5).
+    report, text = status(5)
     assert report["daemon"] == {"pid": os.getpid(), "running": True}
     assert f"pid {os.getpid()}, running" in text
+    assert "has not reported its health yet" in report["health"]["message"]
     os.close(claim)
-    report, text = status()
+    report, text = status(3)  # not running, as systemctl says of an inactive unit
     assert report["daemon"] == {"pid": os.getpid(), "running": False}
     assert "NOT RUNNING" in text
 

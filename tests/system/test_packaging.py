@@ -39,7 +39,7 @@ from harness import host
 from harness.runc import pod, sandbox
 from product_image import dockerfile_steps
 
-from nri_cpuplugin.cli import build_parser
+from nri_cpuplugin.cli import EXIT_USAGE, build_parser
 from nri_cpuplugin.core.topology import discover
 from nri_cpuplugin.hardware import cgroupfs
 from nri_cpuplugin.ops import audit
@@ -222,7 +222,13 @@ def test_systemd_unit_runs_the_documented_command_with_restart_and_state_dir() -
     assert "/var/lib/" + unit["Service", "StateDirectory"][0] == DEFAULT_STATE_DIR
     assert DEFAULT_STATE_DIR in unit["Service", "ReadWritePaths"][0].split()
     assert unit["Service", "Restart"] == ["always"]
-    assert unit["Unit", "StartLimitIntervalSec"] == ["0"]  # never gives up
+    assert unit["Unit", "StartLimitIntervalSec"] == ["0"]  # never gives up...
+    # ...but on a configuration error (the CLI's exit 2): issue 39, it looped every 2 s.
+    assert unit["Service", "RestartPreventExitStatus"] == [str(EXIT_USAGE)]
+    # Started once registered (READY=1), watched while its worker answers (WATCHDOG=1).
+    assert unit["Service", "Type"] == ["notify"]
+    assert unit["Service", "NotifyAccess"] == ["main"]
+    assert unit["Service", "WatchdogSec"] == ["1min"]
     assert "containerd.service" in unit["Unit", "After"][0].split()
     assert unit["Unit", "Wants"] == ["containerd.service"]
     assert unit["Service", "CapabilityBoundingSet"] == []  # reset to nothing
@@ -602,6 +608,23 @@ def test_daemonset_mounts_what_the_configured_daemon_uses() -> None:
     }
     for path in DAEMON_WRITES:
         assert not host_paths[path][2], f"{path} is mounted read-only: {DAEMON_WRITES[path]}"
+
+
+def test_daemonset_probes_ask_the_daemon_of_the_mounted_state_directory() -> None:
+    docs = kinds()
+    [container] = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    settings = merge(Settings(), parse_toml(docs["ConfigMap"]["data"]["config.toml"], "ConfigMap"))
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    expected = {"startupProbe": "--live", "readinessProbe": "--ready", "livenessProbe": "--live"}
+    for probe, flag in expected.items():
+        command = container[probe]["exec"]["command"]
+        assert command[0] == container["command"][0]
+        args = build_parser().parse_args(command[1:])  # the real CLI accepts it
+        assert args.command == "status" and flag in command
+        # status reads the health file where the configured daemon writes it
+        assert args.state_dir == settings.state_dir and settings.state_dir in mounted
+        # a probe that times out before a cold Python start would fail a healthy daemon
+        assert container[probe]["timeoutSeconds"] >= 5
 
 
 def test_configmap_holds_the_packaged_config() -> None:

@@ -223,12 +223,13 @@ def test_allocate_that_cannot_be_met_exits_1_with_one_line(epyc, capsys):
     assert err == "nri-cpuplugin: cannot allocate 5 CPUs: only 4 available (0-3)\n"
 
 
-def test_status_without_a_state_file_names_it_once(tmp_path, capsys):
+def test_status_without_a_state_file_names_it_once_on_stderr(tmp_path, capsys):
+    """README promises errors on stderr with the prefix; status printed this one on stdout."""
     code, out, err = run_main(capsys, "status", "--state-dir", str(tmp_path))
     path = tmp_path / "state.json"
-    assert code == 1 and err == ""
-    assert out == f"no state file at {path} (first start, or it was removed)\n"
-    assert out.count(str(path)) == 1
+    assert code == 1
+    assert err == f"nri-cpuplugin: no state file at {path} (first start, or it was removed)\n"
+    assert (out + err).count(str(path)) == 1 and "OCI hook mode" in out
 
 
 def test_status_of_a_missing_state_directory_exits_1(tmp_path, capsys):
@@ -266,3 +267,74 @@ def test_every_option_of_every_command_has_help_text():
     # and each command says its exit statuses (README.md, "Commands", says the same)
     helped = {name for name, sub in commands.choices.items() if "Exit status" in (sub.epilog or "")}
     assert helped == set(commands.choices) - {"hook"}  # hook --help is the hook's own (USAGE)
+
+
+# --- versions -----------------------------------------------------------------------
+
+
+def test_version_flag_and_command_print_the_one_version(capsys):
+    import tomllib
+
+    from nri_cpuplugin import __version__
+
+    assert run_main(capsys, "--version") == (0, f"nri-cpuplugin {__version__}\n", "")
+    assert run_main(capsys, "version") == (0, f"nri-cpuplugin {__version__}\n", "")
+    # pyproject.toml says the same: the package metadata and the image carry that one.
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert project["project"]["version"] == __version__
+
+
+# --- run refuses what it cannot work with, in one line, exit 2 ---------------------------------
+
+
+def run_refused(tmp_path: Path, *args: str, env: dict | None = None) -> str:
+    """``nri-cpuplugin run ARGS``, which must refuse at once: its one line of stderr."""
+    import os
+
+    result = subprocess.run(
+        [*CLI, "run", "--socket", str(tmp_path / "no-runtime.sock"), *args],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nri-cpuplugin: "), result.stderr
+    return lines[0]
+
+
+def test_run_with_a_bad_nri_plugin_socket_is_one_line_not_a_traceback(tmp_path, epyc):
+    root, _ = epyc
+    state = str(tmp_path / "state")
+    args = ("--state-dir", state, "--sysfs", str(root))
+    line = run_refused(tmp_path, *args, env={"NRI_PLUGIN_SOCKET": "x"})
+    assert "NRI_PLUGIN_SOCKET='x' is not a file descriptor number" in line
+    assert "unset it to run as a daemon" in line
+
+
+def test_run_creates_the_state_directory_but_never_its_parents(tmp_path, epyc):
+    root, _ = epyc
+    state = tmp_path / "a" / "b" / "state"
+    line = run_refused(tmp_path, "--state-dir", str(state), "--sysfs", str(root))
+    assert f"cannot create state directory {state}: its parent {state.parent} does not" in line
+    assert not (tmp_path / "a").exists()
+
+
+def test_run_refuses_a_node_whose_kubelet_runs_the_static_policy(tmp_path, epyc):
+    root, _ = epyc
+    checkpoint = tmp_path / "cpu_manager_state"
+    checkpoint.write_text('{"policyName":"static","defaultCpuSet":"0-127","checksum":1}')
+    config = tmp_path / "c.toml"
+    config.write_text(f'[kubelet]\ncpu_manager_state = "{checkpoint}"\n')
+    args = ("--config", str(config), "--state-dir", str(tmp_path / "s"), "--sysfs", str(root))
+    line = run_refused(tmp_path, *args)
+    assert "kubelet's static CPU manager policy owns this node's CPUs" in line
+    assert not (tmp_path / "s").exists()  # refused before touching anything
+
+
+# --- install-hook says why it cannot write -----------------------------------------------------
+
+
+def test_install_hook_into_proc_gives_the_real_reason(capsys):
+    code, out, err = run_main(capsys, "install-hook", "--path", "/proc/hook")
+    assert (code, out) == (2, "")
+    assert err == "nri-cpuplugin: cannot write /proc/hook: No such file or directory\n"

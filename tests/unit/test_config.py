@@ -36,6 +36,8 @@ listen = "127.0.0.1:9100"
     assert settings.nri_request_budget == 0.8
     assert parse_toml("[nri]\nrequest_budget = 2", "t")["nri_request_budget"] == 2.0
     assert Settings().nri_request_budget == 1.5  # below the runtimes' 2 s request timeout
+    more = parse_toml("[health]\ninterval = 2\n[kubelet]\ncpu_manager_state = ''", "t")
+    assert more == {"health_interval": 2.0, "kubelet_cpu_manager_state": ""}
 
 
 def test_reserved_cpus_as_a_list_and_default_count():
@@ -75,6 +77,12 @@ def test_reserved_cpus_as_a_list_and_default_count():
         ("nri = 1", "[nri] must be a table"),
         ("state_dir = ''", "expected a non-empty string"),
         ("reserved_cpus = ", "not valid TOML"),
+        ("[health]\ninterval = 0", "health.interval = 0: expected seconds, a number from 0.05"),
+        ("[health]\ninterval = 301", "to 300"),
+        ("[health]\ninterval = nan", "expected seconds"),
+        ("[health]\ninterval = true", "expected seconds"),
+        ("[kubelet]\ncpu_manager_state = 'state'", 'expected an absolute path, or "" for none'),
+        ("[kubelet]\ncpu_manager_state = 1", "expected an absolute path"),
     ],
 )
 def test_bad_config_is_refused_with_key_and_expected_form(text, message):

@@ -66,9 +66,11 @@ def test_daemon_serves_the_runtime_and_status_reads_its_state(tmp_path):
         [*CLI, "status", "--state-dir", str(state_dir), "--sysfs", str(root), "--json"],
         capture_output=True,
         text=True,
-        check=True,
     )
+    # The daemon is gone: its state is shown, and the exit status says it is not running.
+    assert status.returncode == 3 and status.stderr.startswith("nri-cpuplugin: the daemon")
     report = json.loads(status.stdout)
+    assert report["health"]["verdict"] == "not-running"
     assert report["reserved"] == "0,24" and report["exclusive"] == "1,25"
     assert report["assignments"][0]["pod_name"] == "db"
     assert report["assignments"][0]["numa"] == "0"
@@ -77,9 +79,16 @@ def test_daemon_serves_the_runtime_and_status_reads_its_state(tmp_path):
         [*CLI, "status", "--state-dir", str(state_dir), "--sysfs", str(root)],
         capture_output=True,
         text=True,
-        check=True,
     ).stdout
     assert "1,25" in text and "ns/db" in text
+    # What status cannot show is said on stderr, with the prefix, the state still shown.
+    blind = subprocess.run(
+        [*CLI, "status", "--state-dir", str(state_dir), "--sysfs", str(tmp_path / "no-sys")],
+        capture_output=True,
+        text=True,
+    )
+    assert "1,25" in blind.stdout
+    assert "nri-cpuplugin: free CPUs per NUMA node not shown: " in blind.stderr
 
 
 def test_invalid_config_is_rejected_at_start(tmp_path):
@@ -99,4 +108,4 @@ def test_status_without_state_says_so(tmp_path):
     result = subprocess.run(
         [*CLI, "status", "--state-dir", str(tmp_path)], capture_output=True, text=True
     )
-    assert result.returncode == 1 and "no state file" in result.stdout
+    assert result.returncode == 1 and result.stderr.startswith("nri-cpuplugin: no state file")

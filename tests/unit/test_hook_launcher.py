@@ -75,6 +75,10 @@ def test_install_replaces_the_console_script_link_in_one_rename(tmp_path, python
         ("{tmp}/hook", "python3", "absolute path without spaces"),
         ("{tmp}/hook", "/opt/my venv/bin/python3", "absolute path without spaces"),
         ("{tmp}/hook", "/" + "d" * 130 + "/python3", "too long for a shebang"),
+        # A launcher naming these would fail every container start: refused, not written.
+        ("{tmp}/hook", "/nonexistent/python", "interpreter /nonexistent/python does not exist"),
+        ("{tmp}/hook", "/etc", "interpreter /etc is not an executable file"),
+        ("{tmp}/hook", "/bin/true", "interpreter /bin/true cannot run the hook"),
     ],
 )
 def test_impossible_installs_are_refused_with_the_reason(

@@ -14,9 +14,14 @@ DOC = ROOT / "docs" / "architecture.md"
 ORDER = ("base", "core", "storage", "hardware", "ops", "nri", "daemon", "hook", "cli")
 
 
+# What nri_cpuplugin/__init__.py itself defines (``from .. import __version__``): beneath
+# every layer, importable from all of them.
+ROOT_NAMES = {"__version__"}
+
+
 def _layer(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] != "nri_cpuplugin" or len(parts) < 2:
+    if parts[0] != "nri_cpuplugin" or len(parts) < 2 or parts[1] in ROOT_NAMES:
         return None
     return parts[1]
 

@@ -307,6 +307,9 @@ def test_scrape_and_not_found_still_work(caplog: pytest.LogCaptureFixture) -> No
     assert b"Content-Type: text/plain" in head
     length = int(re.search(rb"Content-Length: (\d+)", head)[1])
     assert length == len(body) and b"nri_cpuplugin_pinning_requests_total" in body
+    from nri_cpuplugin import __version__
+
+    assert f'nri_cpuplugin_build_info{{version="{__version__}"}} 1.0\n'.encode() in body
     assert missing.startswith(b"HTTP/1.0 404 Not Found\r\n")
     assert quiet(caplog) == []
 

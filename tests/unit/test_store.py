@@ -142,6 +142,20 @@ def _document(**changes: object) -> bytes:
     return orjson.dumps(doc)
 
 
+def test_a_document_names_the_build_that_wrote_it_and_reads_without_it() -> None:
+    from nri_cpuplugin import __version__
+    from nri_cpuplugin.core.state import decode
+
+    state = make_state(3)
+    doc = orjson.loads(encode(state))
+    assert doc["written_by"] == f"nri-cpuplugin {__version__}"
+    # What 0.1.0 wrote (no such field) still loads; so does a field a later build adds.
+    del doc["written_by"]
+    doc["checksum"] = checksum(doc)
+    assert decode(orjson.dumps(doc)) == state
+    assert decode(_document(written_by="nri-cpuplugin 9.9", later_field={"x": 1})) == state
+
+
 def _overlapping() -> bytes:
     doc = to_document(make_state(3))
     first, second = list(doc["assignments"])[:2]

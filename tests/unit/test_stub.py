@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from nri_cpuplugin.nri.handlers import (
     runtime_nri,
 )
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
-from nri_cpuplugin.nri.stub import RECONNECT_MIN, Stub
+from nri_cpuplugin.nri.stub import RECONNECT_MIN, LaunchError, Stub
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
@@ -290,6 +291,38 @@ def test_daemon_waits_for_a_runtime_that_is_not_there_yet(tmp_path, monkeypatch)
     run(test, tmp_path)
 
 
+def test_a_runtime_out_of_reach_is_a_warning_at_once_and_every_minute(
+    tmp_path, monkeypatch, caplog
+):
+    """The retries were logged at debug only: a daemon with NRI off waited unseen."""
+    caplog.set_level(logging.DEBUG, logger=stub_module.log.name)
+    told: list[tuple[bool, str]] = []
+
+    async def test(path):
+        stub = Stub(Recorder(), "cpuplugin", "50", socket_path=str(path))
+        stub.on_connection = lambda registered, detail: told.append((registered, detail))
+        pauses = record_pauses(monkeypatch)
+        task = asyncio.create_task(stub.run())
+        while len(warnings()) < 3:
+            await asyncio.sleep(0)
+        stub.stop()
+        await task
+        # At once, then after each minute of retrying (pauses backing off to 1 s).
+        every = stub_module.CONNECT_WARNING_EVERY
+        assert 2 * every <= sum(pauses[:-1]) < 2 * every + 2
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    run(test, tmp_path)
+    logged = warnings()
+    assert len(logged) == 3
+    assert logged[0].startswith(f"cannot connect to the runtime's NRI socket {tmp_path}/nri.sock")
+    for hint in ("No such file or directory", "is NRI enabled", "enable_nri", "nri.socket"):
+        assert hint in logged[0], hint
+    assert told and all(not registered and "is NRI enabled" in why for registered, why in told)
+
+
 def test_launched_mode_serves_the_inherited_socket_and_exits_when_it_closes(tmp_path):
     async def test(path):
         ours, theirs = socket.socketpair()
@@ -308,14 +341,31 @@ def test_launched_mode_serves_the_inherited_socket_and_exits_when_it_closes(tmp_
 
 
 def test_from_environment_adopts_the_launched_socket(monkeypatch):
-    monkeypatch.setenv("NRI_PLUGIN_SOCKET", "3")
-    monkeypatch.setenv("NRI_PLUGIN_NAME", "cpuplugin")
-    monkeypatch.setenv("NRI_PLUGIN_IDX", "10")
-    stub = Stub.from_environment(Recorder(), "ignored", "99")
-    assert (stub.launched_fd, stub.name, stub.index) == (3, "cpuplugin", "10")
-    monkeypatch.setenv("NRI_PLUGIN_SOCKET", "three")
-    with pytest.raises(ValueError, match="not a file descriptor"):
-        Stub.from_environment(Recorder(), "x", "10")
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        monkeypatch.setenv("NRI_PLUGIN_SOCKET", str(ours.fileno()))
+        monkeypatch.setenv("NRI_PLUGIN_NAME", "cpuplugin")
+        monkeypatch.setenv("NRI_PLUGIN_IDX", "10")
+        stub = Stub.from_environment(Recorder(), "ignored", "99")
+        assert (stub.launched_fd, stub.name, stub.index) == (ours.fileno(), "cpuplugin", "10")
+
+
+def test_a_launched_socket_that_is_none_is_refused_with_what_to_do(monkeypatch, tmp_path):
+    """NRI_PLUGIN_SOCKET=x was a traceback (ValueError); a number that is no open socket
+    failed later, deep in asyncio."""
+    plain = open(tmp_path / "f", "w")  # noqa: SIM115 - closed below
+    free = os.open(tmp_path, os.O_RDONLY)
+    os.close(free)  # a descriptor number nothing holds
+    for value, why in (
+        ("x", "is not a file descriptor number"),
+        (str(free), "no such open file descriptor"),
+        (str(plain.fileno()), "is not a socket"),
+    ):
+        monkeypatch.setenv("NRI_PLUGIN_SOCKET", value)
+        with pytest.raises(LaunchError) as err:
+            Stub.from_environment(Recorder(), "x", "10")
+        assert why in str(err.value) and "unset it to run as a daemon" in str(err.value)
+    plain.close()
 
 
 # --- narrowing the subscription in configure() ------------------------------------------------
