@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import cni, host
+from harness import host
 from harness.containerd import Containerd
 from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
 from harness.kubelet_pod import DaemonSetPod
-from netns_util import host_nic
 from product_image import cached
 
 from e2e.daemon import wait_for
@@ -36,11 +35,9 @@ pytestmark = pytest.mark.parametrize("containerd_version", ["2.1", "2.3"], indir
 
 
 @pytest.fixture
-def containerd(make_containerd: Callable[..., Containerd], containerd_version: str) -> Containerd:
-    """containerd with a CNI plugin: the DaemonSet's pod is not on the host network."""
-    ctrd = make_containerd(start=False, config_overrides=cni.overrides(containerd_version))
-    cni.install(ctrd, host_nic().name)
-    ctrd.start()
+def containerd(make_containerd: Callable[..., Containerd]) -> Containerd:
+    """No CNI plugin: the DaemonSet's pod is on the node's network."""
+    ctrd = make_containerd()
     ctrd.import_images(cached().archive)
     return ctrd
 

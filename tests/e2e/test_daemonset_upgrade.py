@@ -53,7 +53,7 @@ def manifest_of(revision: str, directory: Path) -> Path:
 
 @pytest.fixture
 def fail_closed(make_containerd: Callable[..., Containerd], containerd_version: str) -> Containerd:
-    """With a CNI plugin: the DaemonSet's pod is not on the host network."""
+    """With a CNI plugin: 0.1.0's pod was on the pod network."""
     ctrd = make_containerd(start=False, config_overrides=cni.overrides(containerd_version))
     cni.install(ctrd, host_nic().name)
     install_fail_closed(ctrd)

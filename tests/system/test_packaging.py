@@ -566,7 +566,11 @@ def test_daemonset_runs_everywhere_with_no_more_privilege_than_needed() -> None:
     assert {"operator": "Exists"} in pod["tolerations"]  # every taint, every node
     assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
     assert pod["automountServiceAccountToken"] is False  # it never talks to the API server
-    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert not any(pod.get(k) for k in ("hostPID", "hostIPC"))
+    # the node's network: its pod must not wait for the CNI plugin, which may wait for it
+    assert pod["hostNetwork"] is True
+    # only on the nodes an operator labelled (NRI on, kubelet's policy none)
+    assert pod["nodeSelector"] == {"nri-cpuplugin.io/enabled": "true"}
     [container] = pod["containers"]
     sc = container["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
