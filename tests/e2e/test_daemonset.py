@@ -104,3 +104,32 @@ def test_the_daemonset_pod_pins_and_survives_a_kill(
     cri.stop_pod(pinned.id)
     cri.remove_pod(pinned.id)
     wait_for("web to get CPU 1 back", lambda: cpus_of(cri, shared["web"]) == "0-1", 30)
+
+
+def test_the_probes_say_ready_only_once_the_plugin_is_registered(
+    containerd: Containerd, journal: PrivateJournal, tmp_path: Path
+) -> None:
+    """The manifest's exec probes, run in the plugin's container as kubelet runs them: live
+    but not ready while the runtime's socket is absent, ready once it is there."""
+    later = containerd.short_dir / "nri-later"  # the socket's filesystem: linked here below
+    later.mkdir()
+    pod = DaemonSetPod(
+        containerd.cri(),
+        MANIFEST,
+        tmp_path / "kubelet",
+        host_paths={
+            "/var/run/nri": later,
+            "/var/lib/nri-cpuplugin": tmp_path / "state",
+            "/run/systemd/journal/socket": journal.socket_path,
+        },
+    )
+    try:
+        pod.start()
+        wait_for("the startup probe to pass", lambda: pod.probe("startupProbe") == 0, 60)
+        assert pod.probe("livenessProbe") == 0
+        assert pod.probe("readinessProbe") == 4  # alive, not registered with the runtime
+        os.link(containerd.nri_socket, later / "nri.sock")  # the runtime's socket appears
+        wait_for("the readiness probe to pass", lambda: pod.probe("readinessProbe") == 0, 60)
+        assert pod.probe("livenessProbe") == 0
+    finally:
+        pod.delete(grace=2)
