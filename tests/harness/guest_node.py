@@ -28,6 +28,7 @@ from .guest_runtimes import (
 
 DAEMON_UNIT = "nri-cpuplugin.service"
 DAEMON_STATE = "/var/lib/nri-cpuplugin"
+DAEMON_START_TIMEOUT = 600  # seconds, under emulation (the unit's own is 2 min)
 PACKAGING = debs.REPO / "packaging"
 
 
@@ -153,6 +154,13 @@ class GuestNode:
         self.guest.copy_in(irq, f"{unit_dir}/{DAEMON_UNIT}.d/irq.conf", 0o644)
         environment = " ".join(shlex.quote(f"{k}={v}") for k, v in self.guest.python_env().items())
         runtimes_units = " ".join(r.unit for r in self.runtimes.values())
+        # Under emulation (about 10x slower) the unit's start - which waits for the plugin's
+        # registration, Type=notify - and its watchdog get the slack the NRI timeouts get.
+        slack = (
+            f"TimeoutStartSec={DAEMON_START_TIMEOUT}s\nWatchdogSec=5min\n"
+            if self.guest.vm.accel == "tcg"
+            else ""
+        )
         # Only what differs on this node: the program comes from the shared checkout, run by
         # the guest's python3 with the host's site-packages (guest.py), and the runtimes'
         # units have other names than packaging's containerd.service / crio.service.
@@ -167,7 +175,7 @@ After={runtimes_units}
 Environment={environment}
 ExecStart=
 ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/config.toml
-{_sandbox_exceptions(self.guest.python_path)}""",
+{slack}{_sandbox_exceptions(self.guest.python_path)}""",
         )
 
     def _install_hook(self) -> None:
@@ -192,7 +200,10 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
         self.install()
         self.stop_daemon()
         cursor = self._journal_cursor()
-        started = self.guest.run(["systemctl", "start", DAEMON_UNIT], timeout=120)
+        # Type=notify: systemctl returns once the daemon registered with the runtime.
+        started = self.guest.run(
+            ["systemctl", "start", DAEMON_UNIT], timeout=DAEMON_START_TIMEOUT + 60
+        )
         if not started.ok:
             raise GuestError(f"{DAEMON_UNIT} did not start: {started.describe()}")
         deadline = time.monotonic() + timeout
