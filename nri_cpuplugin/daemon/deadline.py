@@ -87,6 +87,10 @@ BACKGROUND = {
     ev.IrqRescan: "irq",
     ev.Disconnected: "disconnect",
 }
+# Those run as upkeep, between the runtime's requests (daemon/background.py); the others in
+# order with the requests (a disconnection before the next connection's events, hotplug before
+# the events it changes the CPUs of).
+UPKEEP = (ev.RecheckEvictions, ev.SweepRound, ev.IrqRescan)
 
 
 class Deadline:
@@ -158,12 +162,16 @@ class Deadline:
     def submit(self, event: Any) -> None:
         """Queue one of the daemon's own events (from the event loop); nobody waits for it."""
         name = BACKGROUND.get(type(event), type(event).__name__)
-        self.worker.submit(name, self._handle, event, awaited=False)
+        if isinstance(event, UPKEEP):
+            self.worker.upkeep(name, lambda: self._once(event))
+        else:
+            self.worker.submit(name, self._handle, event, awaited=False)
 
     async def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
-        """Wait up to ``timeout`` for the work queued so far - a late release, say - to be
-        done, before the daemon exits; whether it was."""
-        job = self.worker.submit("drain", self._handle, ev.CommitHeld())
+        """Wait up to ``timeout`` for the work queued so far - a late release, say, and the
+        upkeep - to be done, before the daemon exits; whether it was."""
+        drain = ev.CommitHeld()
+        job = self.worker.upkeep("drain", lambda: self._once(drain), awaited=True, last=True)
         return await self.worker.finished(job, timeout)
 
     @staticmethod
@@ -175,6 +183,11 @@ class Deadline:
 
     def _handle(self, event: Any) -> Effects:
         return self.node.handle(event, self._deliver)
+
+    def _once(self, event: Any) -> bool:
+        """``event`` handled as one step of upkeep (nothing more to do after it)."""
+        self.node.handle(event)
+        return False
 
     def _deliver(self, effects: Effects) -> bool:
         """Hand a reply to the waiting request before the rest of the event is done; False when

@@ -1,0 +1,150 @@
+"""Keeping the kept-free CPUs of the state out of every interrupt's affinity, as background work
+of the node (daemon/background.py): no request waits for it.
+
+After each event whose outcome changed the kept-free CPUs (and at each rescan, after CPU
+hotplug) the node queues one ``IrqWork``; an event that changes them again while it runs makes
+it plan again from where it is.  Its steps, each short:
+
+1. read /proc and plan (hardware/irq_keeper.py ``Pass``), then commit the records of what the
+   writes take **durably**, under the state lock.  When that commit fails (a full disk), no
+   affinity is touched and irqbalance is not told: the work is retried at the next rescan
+   (``IRQ_RESCAN``, set for it) or change of the kept-free CPUs, and whatever a crash leaves
+   on disk still names every CPU taken, so the next run gives each back;
+2. ``SLICE`` affinity writes at most, fewer once a request is queued;
+3. when every write is made: the records as they are now (no longer durable-first: a crash
+   before them leaves records that name more than is taken, and giving back is idempotent),
+   irqbalance, the audit record, the next rescan.
+
+Planning again between steps keeps what was written so far in the state's records
+(``Pass.recording``), so nothing taken is forgotten and nothing is given back twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..core import irq
+from ..core.cpuset import CPUSet
+from ..core.engine import Outcome
+from ..core.state import IrqRecord
+from ..hardware import irq_keeper
+from ..ops import audit as audit_mod
+from . import events as ev
+from .effects import NO_EFFECTS, Deliver, Effects, keep
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .node import Node
+
+# While CPUs are kept free of interrupts, the interrupts are looked at again this often: new
+# devices' interrupts start on the default affinity, and irqbalance re-places every interrupt at
+# its rescans.  Also how soon records that could not be committed are tried again.
+IRQ_RESCAN = 10.0
+# Affinity writes per step at most (a write is tens of microseconds; some drivers take
+# milliseconds): a step stops sooner when a request is queued.
+SLICE = 32
+
+
+def keep_free(node: Node, force: bool = False) -> None:
+    """Bring the interrupts in line with the state's kept-free CPUs, in the background, when
+    those changed since last planned (``force``: whatever they are - a rescan, hotplug)."""
+    free = irq.keep_free(node.state)
+    work = node.irq_work
+    if work is not None:
+        work.stale = work.stale or force or free != work.keep
+        return
+    if not force and free == node.irq_kept:
+        return
+    node.irq_work = IrqWork(node)
+    node.background.upkeep("irq", node.irq_work.step)
+
+
+def rescan(node: Node, event: ev.IrqRescan, deliver: Deliver = keep) -> Effects:
+    node.irq_rescanning = False
+    keep_free(node, force=True)
+    return NO_EFFECTS
+
+
+class IrqWork:
+    """One interrupt pass of the node, as steps of background work (see the module text)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.stale = True  # to plan (again) at the next step
+        self.keep: CPUSet | None = None  # what the pass under way keeps free
+        self.run: irq_keeper.Pass | None = None
+
+    def step(self) -> bool:
+        """One step; False when the work is over."""
+        node = self.node
+        if self.stale and not self._plan():
+            node.irq_work = None
+            return False
+        assert self.run is not None
+        if self.run.write(SLICE, node.background.waiting):
+            return True
+        if self.stale:
+            return True  # (an event between steps: plan again)
+        self._finish(self.run)
+        node.irq_work = None
+        return False
+
+    def _plan(self) -> bool:
+        """Read, plan, commit what the writes take durably; whether there is writing to do."""
+        node = self.node
+        self.stale = False
+        if self.run is not None:  # what the last plan wrote stays recorded
+            state = node.state
+            node.hold(Outcome(state.evolve(irqs=self.run.recording())))
+        run = irq_keeper.Pass(
+            node.irq_roots, node.state, node.policy.topology.online, node.irq_unchangeable
+        )
+        self.run, self.keep, node.irq_kept = run, run.keep, run.keep
+        if not run.needed:
+            return False
+        problem = run.read()
+        if problem is not None:
+            node.audit.emit((problem,))
+            return False
+        if not _record_durably(node, run.recording()):
+            _rescan_later(node)  # tried again then, or by an event that changes what is kept
+            return False
+        run.ban()
+        return True
+
+    def _finish(self, run: irq_keeper.Pass) -> None:
+        node = self.node
+        kept = run.finish()
+        if dict(kept.records) != dict(node.state.irqs):
+            with node.file.locked(decides=False):
+                node.commit(Outcome(node.state.evolve(irqs=kept.records)))
+        node.irq_unchangeable = kept.unchangeable
+        node.audit.emit(kept.events)
+        if run.keep:
+            _rescan_later(node)
+
+
+def _record_durably(node: Node, records: Mapping[int, IrqRecord]) -> bool:
+    """Commit the state with ``records`` and wait until it is on disk; False (said) when it
+    cannot be: nothing may be narrowed then."""
+    state = node.state
+    if dict(records) == dict(state.irqs) and not node.file.unsaved:
+        return True
+    try:
+        with node.file.locked(decides=False):
+            node.commit(Outcome(state.evolve(irqs=records)), durable=True)
+    except OSError as err:
+        node.audit.record(
+            "irq",
+            f"interrupts left as they are: what narrowing them takes could not be recorded "
+            f"durably first ({err}); tried again in {IRQ_RESCAN:g} s",
+            audit_mod.WARNING,
+            reason=str(err),
+        )
+        return False
+    return True
+
+
+def _rescan_later(node: Node) -> None:
+    if not node.irq_rescanning:
+        node.irq_rescanning = node.later(IRQ_RESCAN, ev.IrqRescan())
