@@ -8,8 +8,11 @@ holds it), the durable commit (fsync on a slow disk), netlink (NIC locality) and
 containers' cgroup writes that precede a creation's answer.  So:
 
 * **One worker thread runs the node** (daemon/worker.py): every event, the runtime's and the
-  daemon's own (hotplug, the sweep), one at a time, in the order they came.  The state is not
-  thread-safe, and a release must never overtake the creation it follows.
+  daemon's own (hotplug, a disconnection), one at a time, in the order they came.  The state
+  is not thread-safe, and a release must never overtake the creation it follows.  The node's
+  upkeep (interrupts, rescans, the sweep: ``UPKEEP``, and the interrupt passes the node queues)
+  runs between them, in bounded steps and only while no request is queued, so no request
+  waits behind it for more than the step under way (daemon/background.py).
 * **A request waits for its event with a budget**: ``nri.request_budget`` (1.5 s), or 75 % of
   the runtime's request timeout when that is shorter (NRI >= 0.7 says it in Configure), which
   keeps it below the stub's last-resort guard (``stub.DEADLINE_SHARE``).

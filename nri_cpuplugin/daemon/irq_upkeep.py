@@ -10,7 +10,8 @@ it plan again from where it is.  Its steps, each short:
    affinity is touched and irqbalance is not told: the work is retried at the next rescan
    (``IRQ_RESCAN``, set for it) or change of the kept-free CPUs, and whatever a crash leaves
    on disk still names every CPU taken, so the next run gives each back;
-2. ``SLICE`` affinity writes at most, fewer once a request is queued;
+2. tell irqbalance (its control socket answers within ``irqbalance.SEND_TIMEOUT``); then
+   ``SLICE`` affinity writes at most per step, fewer once a request is queued;
 3. when every write is made: the records as they are now (no longer durable-first: a crash
    before them leaves records that name more than is taken, and giving back is idempotent),
    irqbalance, the audit record, the next rescan.
@@ -73,18 +74,23 @@ class IrqWork:
         self.stale = True  # to plan (again) at the next step
         self.keep: CPUSet | None = None  # what the pass under way keeps free
         self.run: irq_keeper.Pass | None = None
+        self.told = False  # irqbalance told of the pass's kept-free CPUs
 
     def step(self) -> bool:
         """One step; False when the work is over."""
         node = self.node
-        if self.stale and not self._plan():
+        if self.stale:
+            if self._plan():
+                return True  # (a request that came meanwhile goes before the rest)
             node.irq_work = None
             return False
         assert self.run is not None
-        if self.run.write(SLICE, node.background.waiting):
+        if not self.told:
+            self.told = True
+            self.run.ban()  # (its control socket: up to irqbalance.SEND_TIMEOUT)
             return True
-        if self.stale:
-            return True  # (an event between steps: plan again)
+        if self.run.write(SLICE, node.background.waiting):
+            return True  # (an event between steps may make it plan again)
         self._finish(self.run)
         node.irq_work = None
         return False
@@ -96,6 +102,7 @@ class IrqWork:
         if self.run is not None:  # what the last plan wrote stays recorded
             state = node.state
             node.hold(Outcome(state.evolve(irqs=self.run.recording())))
+            node.irq_unchangeable |= self.run.refused
         run = irq_keeper.Pass(
             node.irq_roots, node.state, node.policy.topology.online, node.irq_unchangeable
         )
@@ -109,7 +116,7 @@ class IrqWork:
         if not _record_durably(node, run.recording()):
             _rescan_later(node)  # tried again then, or by an event that changes what is kept
             return False
-        run.ban()
+        self.told = False
         return True
 
     def _finish(self, run: irq_keeper.Pass) -> None:
