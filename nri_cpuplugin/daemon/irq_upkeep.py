@@ -5,11 +5,12 @@ After each event whose outcome changed the kept-free CPUs (and at each rescan, a
 hotplug) the node queues one ``IrqWork``; an event that changes them again while it runs makes
 it plan again from where it is.  Its steps, each short:
 
-1. read /proc and plan (hardware/irq_keeper.py ``Pass``), then commit the records of what the
-   writes take **durably**, under the state lock.  When that commit fails (a full disk), no
-   affinity is touched and irqbalance is not told: the work is retried at the next rescan
-   (``IRQ_RESCAN``, set for it) or change of the kept-free CPUs, and whatever a crash leaves
-   on disk still names every CPU taken, so the next run gives each back;
+1. read /proc, ``SLICE_READS`` interrupts a step, and plan (hardware/irq_keeper.py ``Pass``),
+   then commit the records of what the writes take **durably**, under the state lock.  When
+   that commit fails (a full disk), no affinity is touched and irqbalance is not told: the
+   work is retried at the next rescan (``IRQ_RESCAN``, set for it) or change of the kept-free
+   CPUs, and whatever a crash leaves on disk still names every CPU taken, so the next run
+   gives each back;
 2. tell irqbalance (its control socket answers within ``irqbalance.SEND_TIMEOUT``); then
    ``SLICE`` affinity writes at most per step, fewer once a request is queued;
 3. when every write is made: the records as they are now (no longer durable-first: a crash
@@ -42,8 +43,9 @@ if TYPE_CHECKING:
 # its rescans.  Also how soon records that could not be committed are tried again.
 IRQ_RESCAN = 10.0
 # Affinity writes per step at most (a write is tens of microseconds; some drivers take
-# milliseconds): a step stops sooner when a request is queued.
+# milliseconds), and interrupts read (25 us each): a step stops sooner when a request is queued.
 SLICE = 32
+SLICE_READS = 256
 
 
 def keep_free(node: Node, force: bool = False) -> None:
@@ -79,45 +81,52 @@ class IrqWork:
     def step(self) -> bool:
         """One step; False when the work is over."""
         node = self.node
-        if self.stale:
-            if self._plan():
-                return True  # (a request that came meanwhile goes before the rest)
-            node.irq_work = None
-            return False
-        assert self.run is not None
+        if self.stale and not self._begin():
+            return self._over()
+        run = self.run
+        assert run is not None
+        if not run.planned:
+            if run.read(SLICE_READS, node.background.waiting):
+                return True
+            return self._recorded(run) or self._over()
         if not self.told:
             self.told = True
-            self.run.ban()  # (its control socket: up to irqbalance.SEND_TIMEOUT)
+            run.ban()  # (its control socket: up to irqbalance.SEND_TIMEOUT)
             return True
-        if self.run.write(SLICE, node.background.waiting):
+        if run.write(SLICE, node.background.waiting):
             return True  # (an event between steps may make it plan again)
-        self._finish(self.run)
-        node.irq_work = None
-        return False
+        self._finish(run)
+        return self._over()
 
-    def _plan(self) -> bool:
-        """Read, plan, commit what the writes take durably; whether there is writing to do."""
+    def _begin(self) -> bool:
+        """A new pass from the state as it is; whether anything is to be done."""
         node = self.node
-        self.stale = False
+        self.stale, self.told = False, False
         if self.run is not None:  # what the last plan wrote stays recorded
-            state = node.state
-            node.hold(Outcome(state.evolve(irqs=self.run.recording())))
+            records = self.run.recording()
+            if records != dict(node.state.irqs):
+                node.hold(Outcome(node.state.evolve(irqs=records)))
             node.irq_unchangeable |= self.run.refused
         run = irq_keeper.Pass(
             node.irq_roots, node.state, node.policy.topology.online, node.irq_unchangeable
         )
         self.run, self.keep, node.irq_kept = run, run.keep, run.keep
-        if not run.needed:
-            return False
-        problem = run.read()
-        if problem is not None:
-            node.audit.emit((problem,))
+        return run.needed
+
+    def _recorded(self, run: irq_keeper.Pass) -> bool:
+        """Planned: what the writes take committed durably; whether there is writing to do."""
+        node = self.node
+        if run.problem is not None:
+            node.audit.emit((run.problem,))
             return False
         if not _record_durably(node, run.recording()):
             _rescan_later(node)  # tried again then, or by an event that changes what is kept
             return False
-        self.told = False
         return True
+
+    def _over(self) -> bool:
+        self.node.irq_work = None
+        return False
 
     def _finish(self, run: irq_keeper.Pass) -> None:
         node = self.node

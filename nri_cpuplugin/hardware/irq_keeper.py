@@ -24,7 +24,7 @@ from . import irq, irqbalance
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
 
 class Roots(Value):
@@ -52,7 +52,8 @@ class Pass:
     """One bringing-in-line of the interrupts with a state's kept-free CPUs, in steps that can
     be spread over time (the daemon writes a few at a time between the runtime's requests):
 
-    1. ``read``: what /proc shows, and the plan (core/irq.py);
+    1. ``read``: what /proc shows (all of it, or a slice at a time), then the plan
+       (core/irq.py); ``problem`` says why not when /proc cannot be read;
     2. the caller commits ``recording()`` - durably: no affinity is narrowed before what it
        takes is on disk - then ``ban``s irqbalance from the kept-free CPUs;
     3. ``write`` as many times as it takes;
@@ -76,6 +77,10 @@ class Pass:
         self.shared = state.shared
         self.unchangeable = unchangeable
         self.plan = plan_irq.IrqPlan((), state.irqs, 0, 0)
+        self.planned = False
+        self.problem: AuditEvent | None = None
+        self._reading: Iterator[plan_irq.Irq] | None = None
+        self._found: list[plan_irq.Irq] = []
         self.pending: deque[tuple[int, CPUSet]] = deque()
         self.names: dict[int, str] = {}
         self.refused: set[tuple[int, str]] = set()
@@ -87,18 +92,29 @@ class Pass:
         """Whether anything is kept free, or left to give back."""
         return bool(self.keep or self.before)
 
-    def read(self) -> AuditEvent | None:
-        """Read and plan; an event saying why not when /proc cannot be read."""
+    def read(self, limit: int = 0, enough: Callable[[], bool] = lambda: False) -> bool:
+        """Read up to ``limit`` interrupts (0: all), fewer when ``enough()`` says so after one;
+        once all are read, plan.  Whether more are left to read."""
+        if self._reading is None:
+            self._reading = irq.reading(self.roots.proc)
+        count = 0
         try:
-            found = irq.interrupts(self.roots.proc)
+            for one in self._reading:
+                self._found.append(one)
+                count += 1
+                if count == limit or enough():
+                    return True
         except irq.IrqError as err:
-            return _event(f"cannot read interrupts: {err}", WARNING)
+            self.problem = _event(f"cannot read interrupts: {err}", WARNING)
+            return False
+        found = sorted(self._found, key=lambda i: i.number)
         self.names = {i.number: i.names for i in found}
         self.plan = plan_irq.plan(
             found, self.keep, self.online, self.shared, self.before, self.unchangeable
         )
         self.pending = deque(self.plan.writes)
-        return None
+        self.planned = True
+        return False
 
     def recording(self) -> dict[int, IrqRecord]:
         """What the state must record while the writes not made yet are pending."""
@@ -149,9 +165,9 @@ def keep_free(
     run = Pass(roots, state, online, unchangeable)
     if not run.needed:
         return Kept(state.irqs, unchangeable, ())
-    problem = run.read()
-    if problem is not None:
-        return Kept(state.irqs, unchangeable, (problem,))
+    run.read()
+    if run.problem is not None:
+        return Kept(state.irqs, unchangeable, (run.problem,))
     record(run.recording())  # what a crash during the writes must not lose
     run.ban()
     while run.write(len(run.pending) or 1):

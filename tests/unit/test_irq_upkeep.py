@@ -103,6 +103,45 @@ def test_a_request_queued_behind_interrupt_work_is_answered_within_its_budget(tm
         driver.close()
 
 
+def test_a_pass_planned_again_midway_gives_back_exactly_what_it_took(tmp_path):
+    """Pods come and go while the interrupts are being narrowed: each change plans the pass
+    again from where it is, and in the end every interrupt keeps off the CPUs of the pod
+    still there - and only those - as its record says."""
+    settings = node_at(tmp_path, 100)
+    writes = SlowIrqWrites(cost=0.02)
+    driver = Driver(settings)
+    writes.install(driver.daemon.worker)
+    adapter = driver.daemon.adapter
+    db, cache = irq_free_pod("db"), irq_free_pod("cache")
+    pg, redis = container("pg", db, 2000), container("redis", cache, 2000)
+    try:
+        driver.configure()
+        driver.synchronize([], [])
+        writes.held = True
+
+        async def scenario() -> None:
+            await adapter.create_container(db, pg)
+            await adapter.create_container(cache, redis)  # planned again: both kept free
+            await adapter.stop_container(db, pg)  # and again: pg's CPUs given back
+
+        driver.run(scenario())
+        assert writes.writes < 100
+        writes.release()
+        driver.settle()
+        kept = driver.state.assignments[redis.id].cpus
+        assert not driver.records.of("deadline")
+        assert {n: cpus_of(n, a) for n, a in affinities(tmp_path / "proc").items()} == {
+            n: P(ORIGINAL) - kept for n in [-1, *range(24, 124)]
+        }
+        records = on_disk(settings.state_dir).irqs
+        assert {n: r.taken for n, r in records.items()} == dict.fromkeys(
+            [-1, *range(24, 124)], kept
+        )
+    finally:
+        writes.close()
+        driver.close()
+
+
 # --- a full disk, a kill at any point ------------------------------------------------------------
 
 
