@@ -38,7 +38,8 @@ FAST_WAIT = 0.02
 
 
 class Worker:
-    """The thread that runs the daemon's jobs, one at a time, in the order submitted.
+    """The thread that runs the daemon's jobs, one at a time, in the order submitted, and its
+    upkeep between them (see the module text).
 
     Started with the first job; a daemon thread, so a job stuck in the kernel cannot keep the
     process from exiting.  Idle, it sleeps on its queue and wakes nobody.

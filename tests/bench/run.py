@@ -915,6 +915,8 @@ def section_irqload(quick: bool) -> list[str]:
         "the side. *None*: the same node and pods, not irq-free. Decision latency: from the "
         "handler's call to its answer.",
         "",
+        f"Machine: {machine()}.",
+        "",
         "| side | request | samples | p50 | p99 | max | budget misses |",
         "|---|---|---|---|---|---|---|",
     ]
