@@ -12,11 +12,11 @@ spans two sub-NUMA clusters, a NUMA node that spans two sockets).
 
 A request for ``n`` CPUs descends the tree.  At every group it asks: how few children can hold
 ``n`` free CPUs?  If one child can, each child that fits is tried (recursively) and the best
-result is kept.  If several are needed, the smallest possible number of children is used: the
-roomiest ones are taken whole - whole NUMA nodes, whole LLC groups, whole cores - and the
-remainder is placed, recursively, in the child that fits it best.  Below an LLC group, whole
-free cores are taken first, then single threads, preferring threads that complete a core that
-is already partly used.
+result is kept.  If several are needed, the smallest possible number of children is used,
+filled two ways, both scored: the roomiest taken whole and the remainder placed, recursively,
+in the last one; or their whole free cores taken first, as kubelet's packed allocator does, and
+the threads left over placed in one of them.  Below an LLC group, whole free cores are taken
+first, then single threads, preferring threads that complete a core that is already partly used.
 
 Candidates are compared by a score, lowest wins, in this order:
 
@@ -59,7 +59,7 @@ Incompatible combinations are refused as kubelet refuses them.
 
 from __future__ import annotations
 
-from itertools import combinations
+from itertools import accumulate, combinations
 from math import comb
 
 from ..base.errors import PluginError
@@ -69,6 +69,8 @@ from .topology import Topology
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
+
+    Plans = dict[tuple[int, int], frozenset[int]]  # (a child's first CPU, count) -> its pick
 
 FULL_PCPUS_ONLY = "full-pcpus-only"
 DISTRIBUTE_ACROSS_NUMA = "distribute-cpus-across-numa"
@@ -252,6 +254,7 @@ class Allocator:
         if need == 1:
             return [self._plan(child, n, avail) for child, free in children if free >= n]
         candidates = []
+        memo: Plans = {}  # the children's picks, shared by the combinations
         for combo in self._combinations(children, need):
             if sum(free for _, free in combo) < n:
                 continue
@@ -260,7 +263,40 @@ class Allocator:
             whole = frozenset().union(*(c.cpus & avail for c, _ in ordered[:-1]))
             rest = self._plan(ordered[-1][0], n - len(whole), avail)
             candidates.append(whole | rest)
+            spanned = len({self._core[cpu] for cpu in whole | rest})  # as few as can be: kept
+            if DISTRIBUTE_ACROSS_CORES not in self.options and spanned > -(-n // self._smt):
+                candidates.extend(self._whole_cores_first(ordered, n, avail, memo))
         return candidates
+
+    def _whole_cores_first(
+        self, ordered: list[tuple[_Node, int]], n: int, avail: frozenset[int], memo: Plans
+    ) -> list[frozenset[int]]:
+        """Picks over these children taking their whole free cores first (roomiest first), as
+        kubelet's packed allocator does, the threads left over placed in each child with room:
+        taking a child whole splits cores when others have whole ones to spare (see rule 4)."""
+        shares, left = [], n
+        for child, _ in ordered:
+            shares.append(self._whole_core_share(child, left, avail))
+            left -= shares[-1]
+
+        def plan(child: _Node, k: int) -> frozenset[int]:
+            if (child.first, k) not in memo:
+                memo[child.first, k] = self._plan(child, k, avail) if k else frozenset()
+            return memo[child.first, k]
+
+        pairs = list(zip(ordered, shares, strict=True))
+        plans = [plan(c, k) for (c, _), k in pairs]
+        return [
+            frozenset().union(plan(child, k + left), *plans[:i], *plans[i + 1 :])
+            for i, ((child, free), k) in enumerate(pairs)
+            if free - k >= left
+        ]
+
+    def _whole_core_share(self, node: _Node, limit: int, avail: frozenset[int]) -> int:
+        """How many of ``node``'s free CPUs whole free cores make up, at most ``limit``."""
+        cores = {self._core[cpu] for cpu in node.cpus & avail}
+        sizes = sorted(len(self._core_cpus[c]) for c in cores if self._core_cpus[c] <= avail)
+        return max(total for total in accumulate(sizes, initial=0) if total <= limit)
 
     def _combinations(self, children: list, need: int) -> Iterable[tuple]:
         if comb(len(children), need) <= _MAX_COMBINATIONS:

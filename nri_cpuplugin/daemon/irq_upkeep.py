@@ -23,14 +23,14 @@ Planning again between steps keeps what was written so far in the state's record
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from ..core import irq
 from ..core.cpuset import CPUSet
 from ..core.engine import Outcome
+from ..core.events import WARNING, AuditEvent, event
 from ..core.state import IrqRecord
 from ..hardware import irq_keeper
-from ..ops import audit as audit_mod
 from . import events as ev
 from .effects import NO_EFFECTS, Deliver, Effects, keep
 
@@ -82,21 +82,21 @@ class IrqWork:
         """One step; False when the work is over."""
         node = self.node
         if self.stale and not self._begin():
-            return self._over()
+            assert self.run is not None
+            return self._over(self.run.lift())
         run = self.run
         assert run is not None
         if not run.planned:
             if run.read(SLICE_READS, node.background.waiting):
                 return True
-            return self._recorded(run) or self._over()
+            return self._recorded(run)
         if not self.told:
             self.told = True
             run.ban()  # (its control socket: up to irqbalance.SEND_TIMEOUT)
             return True
         if run.write(SLICE, node.background.waiting):
             return True  # (an event between steps may make it plan again)
-        self._finish(run)
-        return self._over()
+        return self._over(self._finish(run))
 
     def _begin(self) -> bool:
         """A new pass from the state as it is; whether anything is to be done."""
@@ -114,51 +114,59 @@ class IrqWork:
         return run.needed
 
     def _recorded(self, run: irq_keeper.Pass) -> bool:
-        """Planned: what the writes take committed durably; whether there is writing to do."""
+        """Planned: what the writes take committed durably; whether there is writing to do
+        (else the work is over)."""
         node = self.node
         if run.problem is not None:
-            node.audit.emit((run.problem,))
-            return False
-        if not _record_durably(node, run.recording()):
+            return self._over((run.problem,))
+        unrecorded = _record_durably(node, run.recording())
+        if unrecorded is not None:
             _rescan_later(node)  # tried again then, or by an event that changes what is kept
-            return False
+            return self._over((unrecorded,))
         return True
 
-    def _over(self) -> bool:
-        self.node.irq_work = None
+    def _over(self, events: Iterable[AuditEvent] = ()) -> bool:
+        """The work is over, with ``events`` to say.  A warning the last pass gave too (the
+        interrupts cannot be read, a write keeps failing, the disk is full) is said once while
+        it lasts, not at every rescan."""
+        node = self.node
+        node.irq_work = None
+        events = tuple(events)
+        node.audit.emit(e for e in events if e.message not in node.irq_warned)
+        node.irq_warned = frozenset(e.message for e in events if e.priority == WARNING)
         return False
 
-    def _finish(self, run: irq_keeper.Pass) -> None:
+    def _finish(self, run: irq_keeper.Pass) -> tuple[AuditEvent, ...]:
+        """Every write made: the records as they are now; what the pass did, to say."""
         node = self.node
         kept = run.finish()
         if dict(kept.records) != dict(node.state.irqs):
             with node.file.locked(decides=False):
                 node.commit(Outcome(node.state.evolve(irqs=kept.records)))
         node.irq_unchangeable = kept.unchangeable
-        node.audit.emit(kept.events)
         if run.keep:
             _rescan_later(node)
+        return kept.events
 
 
-def _record_durably(node: Node, records: Mapping[int, IrqRecord]) -> bool:
-    """Commit the state with ``records`` and wait until it is on disk; False (said) when it
-    cannot be: nothing may be narrowed then."""
+def _record_durably(node: Node, records: Mapping[int, IrqRecord]) -> AuditEvent | None:
+    """Commit the state with ``records`` and wait until it is on disk; when it cannot be,
+    what to say (nothing may be narrowed then)."""
     state = node.state
     if dict(records) == dict(state.irqs) and not node.file.unsaved:
-        return True
+        return None
     try:
         with node.file.locked(decides=False):
             node.commit(Outcome(state.evolve(irqs=records)), durable=True)
     except OSError as err:
-        node.audit.record(
+        return event(
             "irq",
             f"interrupts left as they are: what narrowing them takes could not be recorded "
             f"durably first ({err}); tried again in {IRQ_RESCAN:g} s",
-            audit_mod.WARNING,
+            WARNING,
             reason=str(err),
         )
-        return False
-    return True
+    return None
 
 
 def _rescan_later(node: Node) -> None:

@@ -111,11 +111,12 @@ class Node:
         self.unrelayed_pods: dict[str, str] = {}
         self.sweeping = False
         # Interrupts: the kept-free CPUs last applied (None: not yet), the interrupts the kernel
-        # refused to move (managed ones), whether a rescan is scheduled (daemon/upkeep.py).
+        # refused to move (managed ones), whether a rescan is scheduled (daemon/irq_upkeep.py).
         self.irq_kept: CPUSet | None = None
         self.irq_unchangeable: frozenset[tuple[int, str]] = frozenset()
         self.irq_rescanning = False
         self.irq_work: irq_upkeep.IrqWork | None = None  # queued or under way
+        self.irq_warned: frozenset[str] = frozenset()  # the last pass's warnings (irq_upkeep.py)
         self.file = StateFile(settings.state_dir, self.progress)
         self._build(merge(settings, self.flags))  # a bad configuration fails now
 

@@ -121,10 +121,18 @@ def mask_text(cpus: CPUSet, groups: int) -> str:
 def counts(proc: str = "/proc") -> dict[str, dict[int, int]]:
     """Interrupt counts per online CPU, by the interrupt's number and handlers (for tests and
     operators: which CPUs take a device's interrupts)."""
-    lines = _read(os.path.join(proc, "interrupts")).splitlines()
+    path = os.path.join(proc, "interrupts")
+    lines = _read(path).splitlines()
     if not lines:
         return {}
-    cpus = [int(word[3:]) for word in lines[0].split() if word.startswith("CPU")]
+    words = lines[0].split()
+    if not words or any(not w.startswith("CPU") or not w[3:].isdigit() for w in words):
+        # Not the kernel's header (one CPU<n> per online CPU): no column can be trusted.
+        raise IrqError(
+            f"{path}: its first line should name one CPU<n> column per online CPU, not "
+            f"{lines[0].strip()[:80]!r}; interrupts are left as they are until it does"
+        )
+    cpus = [int(word[3:]) for word in words]
     found = {}
     for line in lines[1:]:
         label, _, rest = line.partition(":")

@@ -125,6 +125,11 @@ class Pass:
         if self.keep:
             self.notes.append(_ban(self.roots, self.keep))
 
+    def lift(self) -> tuple[AuditEvent, ...]:
+        """Nothing to keep free or give back, but a ban sent while a plan narrowed nothing (or
+        before a restart) is lifted still."""
+        return _lift_ban(self.roots)
+
     def write(self, limit: int, enough: Callable[[], bool] = lambda: False) -> bool:
         """Up to ``limit`` writes, fewer when ``enough()`` says so after one; whether more
         are left."""
@@ -164,7 +169,7 @@ def keep_free(
     nothing is written then)."""
     run = Pass(roots, state, online, unchangeable)
     if not run.needed:
-        return Kept(state.irqs, unchangeable, ())
+        return Kept(state.irqs, unchangeable, run.lift())
     run.read()
     if run.problem is not None:
         return Kept(state.irqs, unchangeable, (run.problem,))
@@ -185,6 +190,13 @@ def _ban(roots: Roots, keep: CPUSet) -> str | None:
         os.path.join(roots.run, "nri-cpuplugin", "irqbalance.env"),
         os.path.join(roots.run, "irqbalance"),
     )
+
+
+def _lift_ban(roots: Roots) -> tuple[AuditEvent, ...]:
+    if not irqbalance.banning(os.path.join(roots.run, "nri-cpuplugin", "irqbalance.env")):
+        return ()
+    why = _ban(roots, CPUSet())
+    return (_event(f"irqbalance's ban could not be lifted: {why}", WARNING),) if why else ()
 
 
 def _events(

@@ -13,7 +13,11 @@ unless they are in its banned set.  Two of its documented mechanisms keep them t
   ``IRQBALANCE_BANNED_CPUS`` beside it, since that older hex setting wins over the list.
 
 What irqbalance bans by itself (its environment at start, else the isolated and nohz_full
-CPUs) stays banned: our CPUs are added to it.
+CPUs) stays banned: our CPUs are added to it.  An irqbalance started with our file has our ban
+of that time in its environment, which must not be taken for its own (or the CPUs of gone pods
+would stay banned for good): the file also holds what irqbalance bans without us
+(``OWN_BAN``), which such an irqbalance then has in its environment too.  A lift sends that
+ban back to it explicitly, since ``settings cpus NULL`` would return to our old one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .irq import parse_mask
 SOCKET_DIR = "/run/irqbalance"
 ENV = "/run/nri-cpuplugin/irqbalance.env"
 SEND_TIMEOUT = 0.5  # one local request; irqbalance answers settings with nothing
+OWN_BAN = "NRI_CPUPLUGIN_OWN_BANNED_CPULIST"  # what irqbalance bans without us (ENV)
 
 
 def pid(proc: str = "/proc", sockets: str = SOCKET_DIR) -> int | None:
@@ -43,22 +48,24 @@ def pid(proc: str = "/proc", sockets: str = SOCKET_DIR) -> int | None:
     return None
 
 
-def own_ban(irqbalance: int, sysfs: str = "/sys", proc: str = "/proc") -> CPUSet:
-    """What irqbalance bans without us: its environment's setting, else isolated and
-    nohz_full CPUs (its own order of precedence)."""
+def own_ban(
+    irqbalance: int | None, sysfs: str = "/sys", proc: str = "/proc", env: str = ENV
+) -> CPUSet:
+    """What irqbalance bans without us: as recorded in our environment file when it started
+    with it (or, not running, as our file says), else its environment's setting, else isolated
+    and nohz_full CPUs (its own order of precedence)."""
+    if irqbalance is None:
+        environ, recorded = {}, _env_file(env).get(OWN_BAN)
+    else:
+        environ = _environ(irqbalance, proc)
+        recorded = environ.get(OWN_BAN)
     try:
-        with open(os.path.join(proc, str(irqbalance), "environ"), "rb") as f:
-            env = dict(
-                item.split("=", 1) for item in f.read().decode("ascii", "replace").split("\0")
-                if "=" in item
-            )  # fmt: skip
-    except OSError:
-        env = {}
-    try:
-        if env.get("IRQBALANCE_BANNED_CPUS"):
-            return parse_mask(env["IRQBALANCE_BANNED_CPUS"])
-        if env.get("IRQBALANCE_BANNED_CPULIST"):
-            return CPUSet.parse(env["IRQBALANCE_BANNED_CPULIST"])
+        if recorded is not None:
+            return CPUSet.parse(recorded)
+        if environ.get("IRQBALANCE_BANNED_CPUS"):
+            return parse_mask(environ["IRQBALANCE_BANNED_CPUS"])
+        if environ.get("IRQBALANCE_BANNED_CPULIST"):
+            return CPUSet.parse(environ["IRQBALANCE_BANNED_CPULIST"])
     except ValueError:
         pass
     found = CPUSet()
@@ -79,14 +86,59 @@ def ban(
     sockets: str = SOCKET_DIR,
 ) -> str | None:
     """Make irqbalance leave ``keep`` alone, now and after its next start (empty: our ban
-    lifted); None, or why it could not be told now."""
+    lifted); None, or why it could not be told now (a lift is then owed: our file stays)."""
     running = pid(proc, sockets)
-    base = own_ban(running, sysfs, proc) if running is not None else CPUSet()
-    _write_env(env, base | keep if keep else None)
-    if running is None:
-        return None
-    request = f"settings cpus {base | keep}" if keep else "settings cpus NULL"
-    return _send(os.path.join(sockets, f"irqbalance{running}.sock"), request)
+    base = own_ban(running, sysfs, proc, env)
+    if keep:
+        _write_env(env, base | keep, base)
+    if running is not None:
+        socket = os.path.join(sockets, f"irqbalance{running}.sock")
+        why = _send(
+            socket, f"settings cpus {base | keep}" if keep else _lift(running, base, sysfs, proc)
+        )
+        if why is not None:
+            return why
+    if not keep:
+        _write_env(env, None, base)
+    return None
+
+
+def banning(env: str = ENV) -> bool:
+    """Whether a ban of ours may be in force (our environment file is there: a lift is owed)."""
+    return os.path.exists(env)
+
+
+def _lift(running: int, base: CPUSet, sysfs: str, proc: str) -> str:
+    """The request giving irqbalance back its own ban."""
+    if OWN_BAN not in _environ(running, proc):
+        return "settings cpus NULL"  # it started without our file: NULL is its own ban
+    if base:
+        return f"settings cpus {base}"
+    # Nothing of its own to ban, but NULL would go back to our ban it started with: a CPU this
+    # boot never has bans nothing that exists (irqbalance has no request for an empty set).
+    try:
+        with open(os.path.join(sysfs, "devices", "system", "cpu", "possible")) as f:
+            return f"settings cpus {max(CPUSet.parse(f.read().strip())) + 1}"
+    except (OSError, ValueError):
+        return "settings cpus 8192"  # past any kernel's NR_CPUS
+
+
+def _environ(irqbalance: int, proc: str) -> dict[str, str]:
+    try:
+        with open(os.path.join(proc, str(irqbalance), "environ"), "rb") as f:
+            items = f.read().decode("ascii", "replace").split("\0")
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+def _env_file(path: str) -> dict[str, str]:
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
 def _send(path: str, request: str) -> str | None:
@@ -104,14 +156,15 @@ def _send(path: str, request: str) -> str | None:
     return None
 
 
-def _write_env(path: str, banned: CPUSet | None) -> None:
-    """The environment irqbalance's next start reads (no file: nothing of ours to add)."""
+def _write_env(path: str, banned: CPUSet | None, own: CPUSet) -> None:
+    """The environment irqbalance's next start reads (no file: nothing of ours to add), with
+    what it bans without us."""
     try:
         if banned is None:
             os.unlink(path)
             return
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-        body = f"IRQBALANCE_BANNED_CPUS=\nIRQBALANCE_BANNED_CPULIST={banned}\n"
+        body = f"IRQBALANCE_BANNED_CPUS=\nIRQBALANCE_BANNED_CPULIST={banned}\n{OWN_BAN}={own}\n"
         directory, name = os.path.split(path)
         write_atomic(directory, name, body.encode(), mode=0o644, durable=False)
     except OSError:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # nic and cpusets are imported when they are needed
     from ..hardware.nic import Locality
 
 FAULT_ENV = "NRI_CPUPLUGIN_FAULT"
+IRQBALANCE_ENV = "/../run/nri-cpuplugin/irqbalance.env"  # ours: a ban to lift (irqbalance.py)
 FAULT_STEPS = (
     "locked",  # the state lock is held
     "loaded",  # state read (and rebuilt if it had to be)
@@ -304,10 +305,9 @@ class Hook:
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
 
     def _keep_irqs_free(self, engine: Engine, state: NodeState) -> tuple[AuditEvent, ...]:
-        """The interrupts brought in line with the committed state's kept-free CPUs (the lock
-        held), the records of what is taken committed with the state (hardware/irq_keeper.py).
-        Loaded only when some container asked for it, or something is left to give back."""
-        if not state.irqs and not any(a.irq_free for a in state.assignments.values()):
+        """Interrupts in line with the committed state (irq_keeper.py), when anything is to do."""
+        held = state.irqs or any(a.irq_free for a in state.assignments.values())
+        if not held and not os.path.exists(self.options.proc + IRQBALANCE_ENV):
             return ()
         from ..hardware import irq_keeper
 

@@ -63,7 +63,8 @@ class Settings(Value):
     # Seconds within which every NRI request is answered, decided or not (daemon/deadline.py).
     nri_request_budget: float = 1.5
     # When the daemon decides a container: at CreateContainer, or at StartContainer (never
-    # consulted at creation; cgroupfs driver only) - docs/architecture.md, "Pinning at start".
+    # consulted at creation; under the systemd cgroup driver only while systemd is reachable,
+    # systemd_bus) - docs/architecture.md, "Pinning at start".
     nri_pin_at: str = "create"
     metrics_listen: str | None = None
     # Read Guaranteed pods' interfaces when their sandbox starts (daemon/pod_nics.py).

@@ -19,7 +19,6 @@ containerd 2.2): packaging/containerd/nri-containerd-2.2-fail-closed.toml, impor
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,11 +30,9 @@ from harness.cri import CRIClient, CRIError
 from harness.k8s import ContainerSpec, PodSpec
 
 from e2e.daemon import Daemon, wait_for
+from e2e.fail_closed import NRI, install_fail_closed
 from e2e.plugin_process import PluginProcess
 
-REPO = Path(__file__).resolve().parents[2]
-DROP_IN = REPO / "packaging/containerd/nri-containerd-2.2-fail-closed.toml"
-NRI = "io.containerd.nri.v1.nri"
 CLOSED = 'connection to plugin \\"50-cpuplugin\\" closed'
 REFUSED = (
     'validator "00-default-validator" rejected container adjustment, reason: validation '
@@ -50,26 +47,6 @@ WITH_VALIDATOR = sorted(v for v in VERSIONS if at_least(v, "2.2"))
 def containerd_version(request: pytest.FixtureRequest) -> str:
     """The default validator exists from containerd 2.2 (NRI 0.10): here, 2.3."""
     return request.param
-
-
-def install_fail_closed(ctrd: Containerd) -> None:
-    """The drop-in into the instance's conf.d, imported by its main config; only absolute
-    paths change (the socket and plugin directories of this instance)."""
-    conf_d = ctrd.dir / "conf.d"
-    conf_d.mkdir(parents=True)
-    text = DROP_IN.read_text()
-    for shipped, private in (
-        ("/var/run/nri/nri.sock", ctrd.nri_socket),
-        ("/opt/nri/plugins", ctrd.plugin_path),
-        ("/etc/nri/conf.d", ctrd.plugin_config_path),
-    ):
-        assert text.count(json.dumps(shipped)) == 1, shipped
-        text = text.replace(json.dumps(shipped), json.dumps(str(private)))
-    (conf_d / "nri-cpuplugin.toml").write_text(text)
-    config = ctrd.config()
-    del config["plugins"][NRI]  # the drop-in does it all
-    config["imports"] = [str(conf_d / "*.toml")]
-    ctrd.config = lambda: config  # what start() writes as the main config
 
 
 @pytest.fixture

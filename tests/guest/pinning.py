@@ -7,6 +7,7 @@ here asserts, so a wrong value comes back to the host as it is.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -41,7 +42,7 @@ def tasks_allowed(directory: Path) -> dict[str, str]:
     """``tid -> Cpus_allowed_list`` of every task in the cgroup (threads included): what the
     scheduler may use for each, whatever the cgroup files say."""
     found = {}
-    for pid in _read(directory / "cgroup.procs").split():
+    for pid in _procs(directory):
         task_dir = Path(f"/proc/{pid}/task")
         try:
             tids = [p.name for p in task_dir.iterdir()]
@@ -56,6 +57,13 @@ def tasks_allowed(directory: Path) -> dict[str, str]:
                 if line.startswith("Cpus_allowed_list:"):
                     found[tid] = line.split(":", 1)[1].strip()
     return found
+
+
+def _procs(directory: Path) -> list[str]:
+    """The cgroup's processes; none once it is gone (not _read's error text split in words,
+    which would count as processes)."""
+    procs = _read(directory / "cgroup.procs")
+    return [] if procs.startswith("<") else procs.split()
 
 
 def node_topology() -> dict[str, Any]:
@@ -185,7 +193,7 @@ def _sample(watch: _Watch, counts: dict[str, Any]) -> None:
     exclusive: set[int] = set()
     for directory in exclusive_scopes.values():
         effective = _read(directory / "cpuset.cpus.effective")
-        if _read(directory / "cgroup.procs").split() and not effective.startswith("<"):
+        if _procs(directory) and not effective.startswith("<"):
             exclusive |= set(parse_cpu_list(effective))
     counts["samples"] += 1
     for cid, directory in shared.items():
@@ -217,7 +225,30 @@ def _sample(watch: _Watch, counts: dict[str, Any]) -> None:
 
 
 def _all_scopes() -> list[str]:
-    return sorted(p.name for p in (CGROUP_ROOT / "kubepods.slice").rglob("*.scope"))
+    """The container scopes there are now.  os.walk, not Path.rglob: the churn removes pod
+    slices during the walk, and rglob raises for a directory gone between its listing and
+    its walk, where os.walk passes over it."""
+    found = []
+    for _, directories, _ in os.walk(CGROUP_ROOT / "kubepods.slice"):
+        found += [name for name in directories if name.endswith(".scope")]
+    return sorted(found)
+
+
+def _set_property(scope: str, assignment: str, timeout: float = 30.0) -> dict[str, Any]:
+    """``systemctl set-property --runtime <scope> <assignment>``.  The scope may belong to a
+    pod the churn removes meanwhile: systemd's answer for a unit it no longer has (``Unit
+    <scope> not found.``; ``not loaded.`` on some versions), for a scope whose cgroup is then
+    gone too (within ``timeout``), is marked ``gone``; any other failure stays one."""
+    operation = _systemctl("set-property", "--runtime", scope, assignment)
+    answers = (f"Unit {scope} not found.", f"Unit {scope} not loaded.")
+    if operation["rc"] == 0 or not any(a in operation["stderr"] for a in answers):
+        return operation
+    deadline = time.monotonic() + timeout
+    while scope in _all_scopes():
+        if time.monotonic() > deadline:
+            return operation  # systemd lost a unit whose cgroup is still there: a failure
+        time.sleep(0.5)
+    return {**operation, "gone": True}
 
 
 def churn_under_reloads(
@@ -313,11 +344,8 @@ def churn_under_reloads(
                 time.sleep(pause)
             operations.append(_systemctl("daemon-reexec"))
             time.sleep(pause)
-            scopes = _all_scopes()
-            for number, scope in enumerate(scopes):
-                operations.append(
-                    _systemctl("set-property", "--runtime", scope, f"CPUWeight={50 + number}")
-                )
+            for number, scope in enumerate(_all_scopes()):
+                operations.append(_set_property(scope, f"CPUWeight={50 + number}"))
             time.sleep(pause)
             # Churn enough for removals to happen meanwhile too (pod starts take seconds
             # under emulation).
@@ -336,7 +364,11 @@ def churn_under_reloads(
         result = {
             "counts": counts,
             "operations": operations,
-            "set_property_scopes": len(scopes),
+            "set_property_scopes": sum(
+                op["command"].startswith("systemctl set-property") and op["rc"] == 0
+                for op in operations
+            ),
+            "set_property_gone": [op["command"] for op in operations if op.get("gone")],
             "churn": churned,
             "churn_seconds": churn_seconds,
             "errors": errors,

@@ -111,11 +111,14 @@ def test_no_shared_task_on_exclusive_cpus_through_reloads_and_churn(
         f"daemon-reload test: {counts['samples']} samples, {counts['scopes_checked']} shared "
         f"scope reads, {counts['tasks_checked']} shared task reads, "
         f"{len(counts['violations'])} on exclusive CPUs; churn {facts['churn']} in "
-        f"{facts['churn_seconds']} s; set-property on {facts['set_property_scopes']} scopes; "
+        f"{facts['churn_seconds']} s; set-property on {facts['set_property_scopes']} scopes "
+        f"({len(facts['set_property_gone'])} gone with their pods meanwhile); "
         f"pod starts retried after systemd left the bus: {len(facts['retried'])}"
     )
     assert not facts["errors"], facts["errors"]
-    failed = [op for op in facts["operations"] if op["rc"] != 0]
+    # A scope the churn removed between its listing and its set-property is no failure; it
+    # is told apart by systemd's answer and its cgroup being gone (pinning.py _set_property).
+    failed = [op for op in facts["operations"] if op["rc"] != 0 and not op.get("gone")]
     assert not failed, failed
     reloads = [op for op in facts["operations"] if op["command"] == "systemctl daemon-reload"]
     assert len(reloads) == 5 and any("daemon-reexec" in op["command"] for op in facts["operations"])

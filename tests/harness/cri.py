@@ -305,7 +305,9 @@ class CRIClient:
         linux = pb.LinuxPodSandboxConfig(
             cgroup_parent=self.cgroup_parent(spec),
             security_context=pb.LinuxSandboxSecurityContext(
-                namespace_options=self._namespaces(spec.share_process_namespace, spec.host_network)
+                namespace_options=self._namespaces(
+                    spec.share_process_namespace, spec.host_network, spec.host_pid
+                )
             ),
         )
         if spec.cpu_request_milli or spec.cpu_limit_milli or spec.memory:
@@ -335,12 +337,14 @@ class CRIClient:
         self._pods[r.pod_sandbox_id] = config
         return r.pod_sandbox_id
 
-    def _namespaces(self, share_process_namespace: bool, host_network: bool = True) -> Any:
+    def _namespaces(
+        self, share_process_namespace: bool, host_network: bool = True, host_pid: bool = False
+    ) -> Any:
         """kubelet's namespacesForPod, sent for the sandbox and again for every container (an
         unset container value would mean POD for all three).  Host network: no CNI needed, and
         no hostname, which the host UTS namespace cannot take."""
         pb = self.pb
-        pid = pb.POD if share_process_namespace else pb.CONTAINER
+        pid = pb.NODE if host_pid else pb.POD if share_process_namespace else pb.CONTAINER
         network = pb.NODE if host_network else pb.POD
         return pb.NamespaceOption(network=network, pid=pid, ipc=pb.POD)
 
@@ -402,7 +406,7 @@ class CRIClient:
         resources.cpuset_cpus, resources.cpuset_mems = spec.cpuset_cpus, spec.cpuset_mems
         (Path(pod_config.log_directory) / spec.name).mkdir(parents=True, exist_ok=True)
         config = pb.ContainerConfig(
-            metadata=pb.ContainerMetadata(name=spec.name, attempt=0),
+            metadata=pb.ContainerMetadata(name=spec.name, attempt=spec.attempt),
             # kubelet sends both; CRI-O's signature check refuses a request without the second.
             image=pb.ImageSpec(image=spec.image, user_specified_image=spec.image),
             command=spec.argv,
@@ -416,21 +420,20 @@ class CRIClient:
             },
             annotations={
                 "io.kubernetes.container.hash": f"{zlib.crc32(repr(spec).encode()):08x}",
-                "io.kubernetes.container.restartCount": "0",
+                "io.kubernetes.container.restartCount": str(spec.attempt),
                 "io.kubernetes.container.terminationMessagePath": "/dev/termination-log",
                 "io.kubernetes.container.terminationMessagePolicy": "File",
                 "io.kubernetes.pod.terminationGracePeriod": "30",
                 **spec.annotations,
             },
-            log_path=f"{spec.name}/0.log",
+            log_path=f"{spec.name}/{spec.attempt}.log",
+            mounts=[
+                pb.Mount(host_path=m.host, container_path=m.container, readonly=m.readonly)
+                for m in spec.mounts
+            ],
             linux=pb.LinuxContainerConfig(
                 resources=resources,
-                security_context=pb.LinuxContainerSecurityContext(
-                    namespace_options=self._namespaces(
-                        pod_config.linux.security_context.namespace_options.pid == pb.POD,
-                        pod_config.linux.security_context.namespace_options.network == pb.NODE,
-                    )
-                ),
+                security_context=self._security(spec, pod_config.linux.security_context),
             ),
         )
         r = self.call(
@@ -708,6 +711,30 @@ class CRIClient:
             cpu_quota=milli_to_quota(limit_milli),
             memory_limit_in_bytes=memory or 0,
         )
+
+    def _security(self, spec: ContainerSpec, pod_security: Any) -> Any:
+        """The container's LinuxContainerSecurityContext: the pod's namespaces, and what its
+        securityContext asks for."""
+        pb = self.pb
+        options = pod_security.namespace_options
+        context = pb.LinuxContainerSecurityContext(
+            namespace_options=self._namespaces(
+                options.pid == pb.POD, options.network == pb.NODE, options.pid == pb.NODE
+            )
+        )
+        wanted = spec.security
+        if wanted is None:
+            return context
+        context.privileged = wanted.privileged
+        context.readonly_rootfs = wanted.readonly_rootfs
+        context.no_new_privs = wanted.no_new_privs
+        if wanted.run_as_user is not None:
+            context.run_as_user.value = wanted.run_as_user
+        context.capabilities.add_capabilities.extend(wanted.add_capabilities)
+        context.capabilities.drop_capabilities.extend(wanted.drop_capabilities)
+        if wanted.seccomp_runtime_default:
+            context.seccomp.profile_type = pb.SecurityProfile.RuntimeDefault
+        return context
 
     def _pod_config(self, pod_id: str) -> Any:
         """The pod's PodSandboxConfig, which kubelet repeats in every CreateContainer.  Pods

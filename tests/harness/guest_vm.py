@@ -186,11 +186,11 @@ class VM:
             # Serial console (and QEMU's monitor, unused) on stdout, which goes to the log.
             "-nographic",
             "-vga", "none",
-            # Devices with interrupts the IRQ tests move (issue 33): a NIC (virtio-net, user
-            # networking: no host set-up, no tap; its queue interrupts are not managed, so
-            # their affinity can be changed) and a scratch disk on q35's AHCI controller (one
-            # MSI, changeable) - the root disk's virtio-blk has one managed interrupt per CPU,
-            # which the kernel keeps where it put them.
+            # Devices with interrupts the IRQ tests move (tests/guest/test_irq.py): a NIC
+            # (virtio-net, user networking: no host set-up, no tap; its queue interrupts are not
+            # managed, so their affinity can be changed) and a scratch disk on q35's AHCI
+            # controller (one MSI, changeable) - the root disk's virtio-blk has one managed
+            # interrupt per CPU, which the kernel keeps where it put them.
             "-nic", "user,model=virtio-net-pci",
             "-drive", f"if=none,id=scratch,file={_escape_option(str(self.scratch_disk))},"
             "format=raw,cache=unsafe",

@@ -16,6 +16,7 @@ import subprocess
 import time
 
 JOURNALD = "/lib/systemd/systemd-journald"
+_SOCKETS = "/run/systemd/journal"
 _SETUP = (
     "set -e; for d in /run/systemd /run/log /var/log/journal; do "
     "mkdir -p $d; mount -t tmpfs tmpfs $d; done; exec " + JOURNALD
@@ -27,14 +28,26 @@ class JournalError(RuntimeError):
 
 
 class PrivateJournal:
-    def __init__(self) -> None:
+    """``socket_dir``: a directory of this machine that journald's socket directory
+    (``/run/systemd/journal``) is bound to, so its sockets can be mounted into a container
+    (a path through ``/proc/<pid>/root`` cannot be)."""
+
+    def __init__(self, socket_dir: str | None = None) -> None:
         self.proc: subprocess.Popen | None = None
+        self.socket_dir = socket_dir
 
     def __enter__(self) -> PrivateJournal:
         if not os.path.exists(JOURNALD):
             raise JournalError(f"{JOURNALD} not found: install Debian's systemd package")
+        setup = _SETUP
+        if self.socket_dir is not None:
+            os.makedirs(self.socket_dir, exist_ok=True)
+            setup = setup.replace(
+                "exec ", f'mkdir -p {_SOCKETS}; mount --bind "$1" {_SOCKETS}; exec ', 1
+            )
         self.proc = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", _SETUP],
+            ["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", setup, "sh",
+             self.socket_dir or ""],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         deadline = time.monotonic() + 10
@@ -61,8 +74,10 @@ class PrivateJournal:
 
     @property
     def socket_path(self) -> str:
+        if self.socket_dir is not None:
+            return os.path.join(self.socket_dir, "socket")
         assert self.proc is not None
-        return f"/proc/{self.proc.pid}/root/run/systemd/journal/socket"
+        return f"/proc/{self.proc.pid}/root{_SOCKETS}/socket"
 
     def _journalctl(self, *args: str) -> str:
         assert self.proc is not None

@@ -60,6 +60,29 @@ def milli_to_quota(milli: int | None) -> int:
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A volume mount as kubelet sends it: a host path (a hostPath volume, or the directory
+    kubelet writes a configMap's files into) at a path in the container."""
+
+    host: str
+    container: str
+    readonly: bool = False
+
+
+@dataclass(frozen=True)
+class Security:
+    """A container's securityContext, in the CRI terms kubelet turns it into."""
+
+    privileged: bool = False
+    run_as_user: int | None = None
+    readonly_rootfs: bool = False
+    no_new_privs: bool = False
+    add_capabilities: tuple[str, ...] = ()
+    drop_capabilities: tuple[str, ...] = ()
+    seccomp_runtime_default: bool = False
+
+
+@dataclass(frozen=True)
 class ContainerSpec:
     """One container as a pod spec would declare it.
 
@@ -83,6 +106,10 @@ class ContainerSpec:
     image: str = BUSYBOX_IMAGE
     cpuset_cpus: str = ""
     cpuset_mems: str = ""
+    mounts: Sequence[Mount] = ()
+    security: Security | None = None
+    # kubelet's restart count: each restart of a container is a new one with the next attempt
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CONTAINER_KINDS:
@@ -163,6 +190,7 @@ class PodSpec:
     # False: the pod gets its own network namespace from the runtime's CNI plugins (the
     # containerd instance must then have a CNI configuration; see e2e/test_nic_locality.py).
     host_network: bool = True
+    host_pid: bool = False
     # CRI RunPodSandbox's runtime_handler (a pod's RuntimeClass), e.g. a CRI-O handler that
     # allows its high-performance annotations; "" = the runtime's default.
     runtime_handler: str = ""

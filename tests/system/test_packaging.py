@@ -10,8 +10,8 @@
   real CRI-O 1.36.3 in tests/e2e/crio/test_crio_packaging.py).
 * Kubernetes manifests: the Kubernetes OpenAPI schemas of several releases, offline
   (kubernetes-validate ships them), strict about unknown fields; plus least-privilege checks.
-* Dockerfile: parsed; what it copies is tracked by git; its ``pip install`` is run on exactly
-  the copied files.
+* Dockerfile: parsed; what it copies is tracked by git; its wheel stage's pip steps are run on
+  exactly the copied files, and the wheels installed and run.
 * the Python package: a clean clone of HEAD is built (sdist + wheel), and each artefact and
   ``pip install .`` are installed into fresh virtual environments and run.
 
@@ -37,6 +37,7 @@ import pytest
 import yaml
 from harness import host
 from harness.runc import pod, sandbox
+from product_image import dockerfile_steps
 
 from nri_cpuplugin.cli import build_parser
 from nri_cpuplugin.core.topology import discover
@@ -63,7 +64,6 @@ LAUNCHED_CONF = PACKAGING / "nri/10-cpuplugin.conf"
 CRIO_NRI = PACKAGING / "crio/10-nri-cpuplugin-nri.conf"
 CRIO_HOOKS = PACKAGING / "crio/10-nri-cpuplugin-hooks.conf"
 DAEMONSET = PACKAGING / "kubernetes/daemonset.yaml"
-DOCKERFILE = PACKAGING / "Dockerfile"
 
 # Where packaging/README.md says things go.
 INSTALLED_PROGRAM = "/usr/local/bin/nri-cpuplugin"
@@ -609,31 +609,19 @@ def test_configmap_holds_the_packaged_config() -> None:
 
 
 # -- Dockerfile --------------------------------------------------------------------------------
-
-
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, pending = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line, pending = pending + line, ""
-        instruction, _, rest = line.partition(" ")
-        out.append((instruction.upper(), rest.strip()))
-    return out
+# Its agreement with `./dev image` (base digest, locks, entrypoint, environment, labels,
+# .dockerignore) is tests/unit/test_image_recipes.py; the image that recipe builds is checked in
+# tests/system/test_image_build.py and loaded and run in tests/e2e/test_image.py.
 
 
 def test_dockerfile_builds_from_tracked_files_and_runs_what_the_daemonset_expects() -> None:
-    steps = dockerfile()
-    assert steps[0] == ("FROM", "python:3.11-slim")
+    steps = dockerfile_steps()
     tracked = set(run(["git", "ls-files"], cwd=REPO).stdout.split())
     copies = [shlex.split(args) for op, args in steps if op == "COPY"]
     assert copies
     for *sources, _dest in copies:
+        if sources[0].startswith("--from="):
+            continue  # from the build stage, not the context
         for source in sources:
             path = source.rstrip("/")
             assert (REPO / path).exists(), source
@@ -656,9 +644,13 @@ def venv(path: Path) -> Path:
     return path / "bin/python"
 
 
-def pip_install(python: Path, *args: str, cwd: Path | None = None) -> None:
-    result = run([sys.executable, "-m", "pip", "--python", str(python), "install", *args], cwd=cwd)
+def pip_command(python: Path, *args: str, cwd: Path | None = None) -> None:
+    result = run([sys.executable, "-m", "pip", "--python", str(python), *args], cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def pip_install(python: Path, *args: str, cwd: Path | None = None) -> None:
+    pip_command(python, "install", *args, cwd=cwd)
 
 
 def check_installed(python: Path) -> None:
@@ -726,35 +718,41 @@ def test_pip_install_from_a_clean_clone(clone: Path, tmp_path: Path) -> None:
     check_installed(python)
 
 
-def test_dockerfile_pip_install_works_on_exactly_the_copied_files(
-    clone: Path, tmp_path: Path
-) -> None:
-    """Replays the Dockerfile's WORKDIR/COPY/RUN steps on a clean clone as build context: a
-    file the build needs but the Dockerfile forgets to copy fails here."""
+def test_dockerfile_pip_steps_work_on_exactly_the_copied_files(clone: Path, tmp_path: Path) -> None:
+    """Replays the wheel stage's COPY and pip steps on a clean clone as build context (absolute
+    paths moved under a stand-in root, the stage's venv a fresh one): a file the build needs but
+    the Dockerfile forgets to copy, or a lock pip refuses, fails here.  The wheels it leaves are
+    then installed into a fresh venv as the final stage installs them, and the program run."""
     image = tmp_path / "image"
-    workdir = image
-    python = venv(tmp_path / "venv")
-    ran = False
-    for op, args in dockerfile():
-        if op == "WORKDIR":
-            workdir = image / args.lstrip("/")
-            workdir.mkdir(parents=True, exist_ok=True)
-        elif op == "COPY":
+    build_python = venv(image / "build")
+    steps = dockerfile_steps()
+    froms = [i for i, (op, _) in enumerate(steps) if op == "FROM"]
+    stage = steps[froms[0] : froms[1]]
+    ran = []
+    for op, args in stage:
+        if op == "COPY":
             *sources, dest = shlex.split(args)
-            target = workdir / dest if not dest.startswith("/") else image / dest.lstrip("/")
+            target = image / dest.lstrip("/")
             for source in sources:  # docker: a directory's contents go into dest
                 origin = clone / source
                 if origin.is_dir():
                     shutil.copytree(origin, target, dirs_exist_ok=True)
                 else:
-                    assert dest.endswith("/"), "COPY of several files needs a directory"
                     target.mkdir(parents=True, exist_ok=True)
                     shutil.copy(origin, target / origin.name)
         elif op == "RUN":
             for command in args.split("&&"):
                 words = shlex.split(command)
-                if words[:2] == ["pip", "install"]:
-                    pip_install(python, *words[2:], cwd=workdir)
-                    ran = True
-    assert ran, "the Dockerfile has no pip install step"
+                if words[0] == "/build/bin/pip":
+                    moved = [str(image / w.lstrip("/")) if w.startswith("/") else w for w in words]
+                    pip_command(build_python, *moved[1:])
+                    ran.append(words[1])
+    assert ran == ["install", "download", "wheel"]
+    python = venv(tmp_path / "venv")
+    wheels = image / "wheels"
+    locks = image / "locks"
+    pip_install(python, "--no-index", "--no-deps", "--require-hashes", "--find-links",
+                str(wheels), "-r", str(locks / "requirements.lock"))  # fmt: skip
+    [own] = wheels.glob("nri_cpuplugin-*.whl")
+    pip_install(python, "--no-index", "--no-deps", str(own))
     check_installed(python)

@@ -225,6 +225,45 @@ CASES = [
         "17-18,20-23",
     ),
     ("smt4 singles: 9 = two whole cores plus 1", SMT4, SMT4_SINGLES, 9, (), "17,20-27"),
+    # Spilling over two nodes: whole free cores first, as kubelet's packed allocator takes them,
+    # never the roomiest node whole (which splits the other node's core and takes a half core).
+    # Xeon: node 0 has core 11 (11,35) free, node 1 cores 22 and 23 and the half core 45.
+    (
+        "spill: three whole cores, not a split core and a half core",
+        "xeon-e5-2680v3-2s",
+        P("11,22-23,35,45-47"),
+        6,
+        (),
+        "11,22-23,35,46-47",
+    ),
+    (
+        "spill: whole cores too when both nodes have a half core",
+        "xeon-e5-2680v3-2s",
+        P("10-11,22-23,35,45-47"),
+        6,
+        (),
+        "11,22-23,35,46-47",
+    ),
+    (
+        "spill: none when one node holds the request, half core and all",
+        "xeon-e5-2680v3-2s",
+        P("11,22-23,35,45-47"),
+        5,
+        (),
+        "22-23,45-47",
+    ),
+    # SMT4: NUMA 0 has core 3 (12-15) free; NUMA 1 core 7 (28-31) and 3 threads of core 6.
+    ("spill smt4: two whole cores, not three", SMT4, P("12-15,25-31"), 8, (), "12-15,28-31"),
+    # EPYC NUMA 0, two LLC groups: core 7 (7,71) in the first, cores 8-9 and the half core 74
+    # in the second.
+    (
+        "spill over llc groups: whole cores first",
+        "epyc-1s-4numa",
+        P("7-9,71-74"),
+        6,
+        (),
+        "7-9,71-73",
+    ),
     (
         "distribute across cores: singles are what it asks for",
         "snc-2s-2numa",

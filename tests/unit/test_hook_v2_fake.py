@@ -391,3 +391,29 @@ def test_the_hook_keeps_an_asking_pods_cpus_free_of_interrupts(node: Node) -> No
     assert node.hook("postgres", None, stage="poststop") == (0, "")
     assert (irq / "30" / "smp_affinity_list").read_text() == "0-47\n"
     assert not StateStore(node.state_dir).peek().state.irqs
+
+
+def test_the_hooks_irqbalance_ban_is_lifted_when_no_interrupt_was_narrowed(node: Node) -> None:
+    """Every interrupt already off the container's CPUs: nothing narrowed, nothing recorded,
+    but irqbalance's next start is told (our environment file); once the container is gone,
+    that ban is lifted too."""
+    irq = node.proc / "irq"
+    (irq / "30").mkdir(parents=True)
+    (irq / "30" / "smp_affinity_list").write_text("0\n")
+    (irq / "default_smp_affinity").write_text("00000000,00000001\n")
+    (node.proc / "interrupts").write_text(
+        "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
+        " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
+    )
+    ban = node.proc.parent / "run" / "nri-cpuplugin" / "irqbalance.env"
+    pid, db = node.container(
+        "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
+    )
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    assert node.hook("postgres", pid) == (0, "")
+    assert not StateStore(node.state_dir).peek().state.irqs
+    assert "IRQBALANCE_BANNED_CPULIST=1,25\n" in ban.read_text()
+    (node.fake.root / db.strip("/") / "cgroup.events").write_text("populated 0\n")  # deleted
+    assert node.hook("postgres", None, stage="poststop") == (0, "")
+    assert not ban.exists()

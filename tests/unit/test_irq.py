@@ -1,15 +1,20 @@
 """Exclusive CPUs kept free of device interrupts: the plan (core/irq.py) as a table, the
 /proc files (hardware/irq.py) on a generated tree, and the daemon keeping a pod's CPUs free
 and giving them back (a generated /proc/irq beside the generated sysfs: the host's are never
-touched).  The kernel's refusals of managed interrupts (EIO) are the FAKE edge here; the
-guest node tests them for real (tests/guest/)."""
+touched; irqbalance is tests/fake_irqbalance.py's FAKE).  The kernel's refusals of managed
+interrupts (EIO) are the FAKE edge here; the guest node tests them for real (tests/guest/)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from daemon_driver import Driver
+from fake_irqbalance import FakeIrqbalance, short_root
 from nri_messages import container, pod
 from proc_gen import proc_tree
 from topologies import build
@@ -17,11 +22,13 @@ from topologies import build
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.irq import DEFAULT, Irq, plan
 from nri_cpuplugin.core.state import IrqRecord
+from nri_cpuplugin.daemon.events import IrqRescan
 from nri_cpuplugin.hardware import irq as irq_files
 from nri_cpuplugin.hardware.irq_keeper import Roots
 from nri_cpuplugin.ops import status
 from nri_cpuplugin.ops.config import Settings
 
+REPO = Path(__file__).resolve().parents[2]
 P = CPUSet.parse
 ONLINE = P("0-7")
 POOL = P("0,3-7")
@@ -158,6 +165,51 @@ def test_what_a_killed_daemon_took_is_given_back_by_the_next_one(node):
     again.close()
 
 
+def guide_snippet(marker: str) -> str:
+    """The Python of the operator guide's code block after ``<!-- marker: ... -->``."""
+    guide = (REPO / "docs" / "operator-guide.md").read_text()
+    block = guide.split(f"<!-- {marker}:", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    body = re.search(r"<<'EOF'\n(.*?)^EOF$", textwrap.dedent(block), re.S | re.M)
+    assert body, f"no heredoc after <!-- {marker} --> in the operator guide"
+    return body[1]
+
+
+def test_the_guides_removal_gives_back_what_a_stopped_daemon_took(node):
+    """docs/operator-guide.md 7.1: with the plugin gone and its container still running, the
+    guide's command gives every interrupt back exactly what the state file says was taken."""
+    driver, proc = node
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    adjust, _ = driver.create_container(db, container("pg", db, 2000))
+    cpus = P(adjust.linux.resources.cpu.cpus)
+    (proc / "irq" / "26" / "smp_affinity_list").write_text("5\n")  # irqbalance, meanwhile
+    assert P(affinity(proc, 24)) == P("0-7") - cpus
+    assert irq_files.default_affinity(str(proc)) == P("0-7") - cpus
+    state = Path(driver.settings.state_dir) / "state.json"
+    online = Path(driver.settings.sysfs) / "devices/system/cpu/online"
+    driver.close()  # stopped: nothing given back
+    script = (
+        guide_snippet("give-interrupts-back")
+        .replace('"/proc"', repr(str(proc)))
+        .replace('"/sys/devices/system/cpu/online"', repr(str(online)))
+    )
+    result = subprocess.run(
+        [sys.executable, "-", str(state)],
+        input=script, cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert affinity(proc, 24) == "0-7" and affinity(proc, 25) == "0-7"
+    assert irq_files.default_affinity(str(proc)) == P("0-7")
+    assert affinity(proc, 26) == "5"  # not ours: left as irqbalance set it
+    assert f"interrupt 24 (PCI-MSIX 1-edge virtio24): CPUs {cpus} given back" in result.stdout
+    # Run again: nothing left to give.
+    again = subprocess.run(
+        [sys.executable, "-", str(state)],
+        input=script, cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout == "", again.stderr
+
+
 def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
     from test_hotplug import Machine, cpu_event
 
@@ -190,3 +242,55 @@ def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
         assert affinity(proc, 24) == "0-7" and not driver.on_disk().irqs
     finally:
         driver.close()
+
+
+def test_an_odd_interrupts_header_is_said_once_and_stops_nothing(node):
+    driver, proc = node
+    rows = (proc / "interrupts").read_text().splitlines()
+    (proc / "interrupts").write_text("\n".join([rows[0] + " CPUx", *rows[1:]]) + "\n")
+    with pytest.raises(irq_files.IrqError, match="CPUx"):
+        irq_files.counts(str(proc))
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    pg = container("pg", db, 2000)
+    cpus = P(driver.create_container(db, pg)[0].linux.resources.cpu.cpus)
+    assert len(cpus) == 2 and affinity(proc, 24) == "0-7"  # placed; the interrupts left alone
+    driver.submit(IrqRescan())
+    web = pod("web")
+    driver.create_container(web, container("nginx", web, 1000))  # later requests answered
+    driver.submit(IrqRescan())
+    [record] = driver.records.of("irq")  # said once, not at every look
+    assert "/interrupts" in record["MESSAGE"] and "CPUx" in record["MESSAGE"]
+    assert record["PRIORITY"] == "4"  # a warning
+
+
+def test_an_irqbalance_ban_is_lifted_when_no_interrupt_was_narrowed_and_after_a_restart():
+    with short_root() as root:
+        sysfs, _ = build("single-socket-no-smt", root)  # 8 CPUs, 0-1 reserved
+        # every interrupt, the default affinity too, already off the CPUs a pod gets
+        proc_tree(root / "proc", {24: "0-1"}, default="03")
+        irqbalance = FakeIrqbalance(sysfs)
+        settings = Settings(sysfs=str(sysfs), state_dir=str(root / "state"), reserved_cpu_count=2)
+        driver = Driver(settings)
+        driver.configure()
+        driver.synchronize([], [])
+        db = pod("db")
+        db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+        pg = container("pg", db, 2000)
+        try:
+            cpus = P(driver.create_container(db, pg)[0].linux.resources.cpu.cpus)
+            assert irqbalance.banned() == cpus and not driver.on_disk().irqs  # nothing narrowed
+            driver.stop_container(db, pg)
+            assert irqbalance.banned() & ONLINE == CPUSet()  # lifted
+            driver.create_container(db, container("pg2", db, 2000))
+            assert irqbalance.banned() == cpus
+        finally:
+            driver.close()  # as kill -9: nothing lifted
+        again = Driver(settings)
+        try:
+            again.configure()
+            again.synchronize([], [])  # the runtime lists no container: it is gone
+            assert irqbalance.banned() & ONLINE == CPUSet()
+        finally:
+            again.close()
+            irqbalance.stop()

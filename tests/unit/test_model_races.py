@@ -1,4 +1,4 @@
-"""A stateful model-based test of placement under races (issue 32): the production daemon
+"""A stateful model-based test of placement under races: the production daemon
 (``Daemon``, through its NRI adapter, on an asyncio loop) driven by a model of containerd,
 kubelet, systemd and the kernel (tests/model_runtime.py) through random interleavings of
 

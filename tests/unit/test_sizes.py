@@ -1,6 +1,6 @@
 """Sizes of product code: no module over 600 lines, no function over 60 lines or over cyclomatic
 complexity 15 (radon's measure), so that each module holds one idea and each function reads as
-one step of something larger (issue 31)."""
+one step of something larger."""
 
 from __future__ import annotations
 
