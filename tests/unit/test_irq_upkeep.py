@@ -24,7 +24,9 @@ from topologies import build
 
 from nri_cpuplugin.base import files
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.irq import Irq, plan, while_writing
 from nri_cpuplugin.core.policy import PolicyError
+from nri_cpuplugin.core.state import IrqRecord
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.hardware import irq as irq_files
 from nri_cpuplugin.ops.config import Settings
@@ -60,6 +62,37 @@ def cpus_of(number: int, affinity: str) -> CPUSet:
 
 def on_disk(state_dir: str):
     return StateStore(state_dir).peek().state
+
+
+# --- the records while writes are pending ------------------------------------------------------
+
+
+def test_while_writes_are_pending_a_record_names_what_was_taken_before_and_after():
+    """Interrupts 5 and 6 give CPU 1 back and lose 2-3, 7 loses 2-3, 8's number now belongs
+    to another device: until its write is made, each record holds both sets (a kill leaves
+    the interrupt either way); once made, the plan's alone."""
+    before = {
+        5: IrqRecord("virtio5", P("1-2")),
+        6: IrqRecord("virtio6", P("1")),
+        8: IrqRecord("gone-device", P("1")),
+    }
+    found = [
+        Irq(5, P("0,3-7"), "virtio5"),
+        Irq(6, P("0,2-7"), "virtio6"),
+        Irq(7, P("0-7"), "virtio7"),
+        Irq(8, P("0-7"), "nvme0q1"),
+    ]
+    planned = plan(found, P("2-3"), P("0-7"), P("0-1,4-7"), before)
+    assert dict(planned.writes) == dict.fromkeys([5, 6, 7, 8], P("0-1,4-7"))
+
+    def taken(pending, refused=()):
+        records = while_writing(before, planned, pending, refused)
+        return {n: str(r.taken) for n, r in records.items()}
+
+    assert taken([5, 6, 7, 8]) == {5: "1-3", 6: "1-3", 7: "2-3", 8: "2-3"}
+    assert taken([6]) == {5: "2-3", 6: "1-3", 7: "2-3", 8: "2-3"}
+    assert taken([], refused=[7]) == {5: "2-3", 6: "2-3", 8: "2-3"}
+    assert while_writing(before, planned, [8])[8].names == "nvme0q1"
 
 
 # --- requests first ------------------------------------------------------------------------------
