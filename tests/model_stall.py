@@ -18,6 +18,12 @@ The same holds for the one decision the event loop makes by the worker's state: 
 is answered from its pod's earmark only when the worker is idle.  Before each request the
 worker is let finish what it has (``settle``) unless it is stuck.
 
+Interrupt work (``SlowIrqWrites``) is timed the same way: each affinity write takes a fixed
+time of a clock of its own, and nothing else takes any.  The clock stands still between
+requests (a held write waits until a request waits for its answer), and a waiting request's
+budget runs out exactly when the writes made meanwhile would outlast it: the writer stops
+there until the test lets it go.
+
 Waits are for conditions, checked every ``TICK`` (nothing waits out a time).
 """
 
@@ -32,6 +38,7 @@ from typing import Any
 from nri_cpuplugin.base import files
 from nri_cpuplugin.daemon.progress import STATE_LOCK
 from nri_cpuplugin.daemon.worker import Job, Worker
+from nri_cpuplugin.hardware import irq
 from nri_cpuplugin.storage.store import StateStore
 
 TICK = 0.0005  # how often a condition is looked at
@@ -114,7 +121,66 @@ class Stall:
         """Let the worker finish everything queued so far, unless it is stuck: its jobs' late
         parts, the work after answers, the daemon's own events."""
         job = worker.submit("settle", _nothing)  # (queues the answered jobs before it, too)
-        await until(lambda: (_ended(job) and worker.idle()) or self.stuck(worker))
+        await until(lambda: (_ended(job) and worker.settled()) or self.stuck(worker))
+
+
+class SlowIrqWrites:
+    """Each interrupt affinity write (hardware/irq.py ``write``, what the daemon calls for every
+    one) takes ``cost`` seconds of this clock (see the module text).  Patched in until
+    ``close``; while ``held``, a write waits for a request to wait for its answer."""
+
+    def __init__(self, cost: float) -> None:
+        self.cost = cost
+        self.now = 0.0  # seconds of writes made so far
+        self.writes = 0
+        self.held = False
+        self.over = False  # a waiting request's budget ran out: the writer stopped there
+        self._limit: float | None = None  # when the waiting request's budget runs out
+        self._moved = threading.Condition()
+        self._write = irq.write
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            with self._moved:
+                while self.held and (self._limit is None or self.now + cost > self._limit):
+                    self.over = self._limit is not None
+                    self._moved.notify_all()
+                    assert self._moved.wait(PATIENCE), "the held interrupt writes were never let go"
+                self.now += cost
+                self.writes += 1
+            return self._write(*args, **kwargs)
+
+        irq.write = write
+
+    def release(self) -> None:
+        """Writes go on without waiting (the clock no longer matters)."""
+        with self._moved:
+            self.held = False
+            self._moved.notify_all()
+
+    def close(self) -> None:
+        self.release()
+        irq.write = self._write
+
+    def install(self, worker: Worker) -> None:
+        """Make the worker's budgets run out by this clock while writes are held."""
+        finished = worker.finished
+
+        async def by_this_clock(job: Job, budget: float | None) -> bool:
+            if budget is None or not self.held:
+                return await finished(job, budget)
+            with self._moved:
+                self._limit, self.over = self.now + budget, False
+                self._moved.notify_all()
+            try:
+                await until(lambda: _ended(job) or self.over)
+                if not _ended(job):
+                    return False  # the writes ahead of it outlast its budget
+            finally:
+                with self._moved:
+                    self._limit = None
+            return await finished(job, None)
+
+        worker.finished = by_this_clock  # type: ignore[method-assign]
 
 
 def _ended(job: Job) -> bool:

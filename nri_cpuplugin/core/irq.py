@@ -82,3 +82,28 @@ def plan(
         if still and want & online:
             kept[irq.number] = IrqRecord(irq.names, still)
     return IrqPlan(tuple(writes), kept, narrowed, restored)
+
+
+def while_writing(
+    before: Mapping[int, IrqRecord],
+    plan: IrqPlan,
+    pending: Iterable[int],
+    refused: Iterable[int] = (),
+) -> dict[int, IrqRecord]:
+    """What the records must say while the writes to ``pending`` interrupts are not all made
+    (a crash leaves each of them written or not): for each, what was taken before its write
+    and what is after it; for the rest, the plan's (``refused``: written in vain, the kernel
+    manages them: nothing taken).  Committed before the first write, it lets the next run
+    give back exactly what was taken, wherever the writes stopped."""
+    records = dict(plan.records)
+    for number in refused:
+        records.pop(number, None)
+    for number in pending:
+        old, new = before.get(number), records.get(number)
+        if old is None:
+            continue
+        if new is None:
+            records[number] = old
+        elif new.names == old.names:
+            records[number] = IrqRecord(new.names, old.taken | new.taken)
+    return records

@@ -8,8 +8,11 @@ holds it), the durable commit (fsync on a slow disk), netlink (NIC locality) and
 containers' cgroup writes that precede a creation's answer.  So:
 
 * **One worker thread runs the node** (daemon/worker.py): every event, the runtime's and the
-  daemon's own (hotplug, the sweep), one at a time, in the order they came.  The state is not
-  thread-safe, and a release must never overtake the creation it follows.
+  daemon's own (hotplug, a disconnection), one at a time, in the order they came.  The state
+  is not thread-safe, and a release must never overtake the creation it follows.  The node's
+  upkeep (interrupts, rescans, the sweep: ``UPKEEP``, and the interrupt passes the node queues)
+  runs between them, in bounded steps and only while no request is queued, so no request
+  waits behind it for more than the step under way (daemon/background.py).
 * **A request waits for its event with a budget**: ``nri.request_budget`` (1.5 s), or 75 % of
   the runtime's request timeout when that is shorter (NRI >= 0.7 says it in Configure), which
   keeps it below the stub's last-resort guard (``stub.DEADLINE_SHARE``).
@@ -87,6 +90,10 @@ BACKGROUND = {
     ev.IrqRescan: "irq",
     ev.Disconnected: "disconnect",
 }
+# Those run as upkeep, between the runtime's requests (daemon/background.py); the others in
+# order with the requests (a disconnection before the next connection's events, hotplug before
+# the events it changes the CPUs of).
+UPKEEP = (ev.RecheckEvictions, ev.SweepRound, ev.IrqRescan)
 
 
 class Deadline:
@@ -158,12 +165,16 @@ class Deadline:
     def submit(self, event: Any) -> None:
         """Queue one of the daemon's own events (from the event loop); nobody waits for it."""
         name = BACKGROUND.get(type(event), type(event).__name__)
-        self.worker.submit(name, self._handle, event, awaited=False)
+        if isinstance(event, UPKEEP):
+            self.worker.upkeep(name, lambda: self._once(event))
+        else:
+            self.worker.submit(name, self._handle, event, awaited=False)
 
     async def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
-        """Wait up to ``timeout`` for the work queued so far - a late release, say - to be
-        done, before the daemon exits; whether it was."""
-        job = self.worker.submit("drain", self._handle, ev.CommitHeld())
+        """Wait up to ``timeout`` for the work queued so far - a late release, say, and the
+        upkeep - to be done, before the daemon exits; whether it was."""
+        drain = ev.CommitHeld()
+        job = self.worker.upkeep("drain", lambda: self._once(drain), awaited=True, last=True)
         return await self.worker.finished(job, timeout)
 
     @staticmethod
@@ -175,6 +186,11 @@ class Deadline:
 
     def _handle(self, event: Any) -> Effects:
         return self.node.handle(event, self._deliver)
+
+    def _once(self, event: Any) -> bool:
+        """``event`` handled as one step of upkeep (nothing more to do after it)."""
+        self.node.handle(event)
+        return False
 
     def _deliver(self, effects: Effects) -> bool:
         """Hand a reply to the waiting request before the rest of the event is done; False when

@@ -42,8 +42,9 @@ from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import NoMetrics
 from ..storage.store import Expected, StateStore
-from . import containers, earmarks, pods, upkeep
+from . import containers, earmarks, irq_upkeep, pods, upkeep
 from . import events as ev
+from .background import Background, Inline
 from .effects import NO_EFFECTS, Deliver, Effects, keep
 from .owed import Owed
 from .pod_nics import PodNICs
@@ -73,6 +74,7 @@ class Node:
         units: Units | None = None,
         pod_nics: PodNICs | None = None,
         later: Later = _never,
+        background: Background | None = None,
     ) -> None:
         self.file_settings = settings
         self.flags = dict(flags or {})
@@ -82,6 +84,8 @@ class Node:
         # (Not ``pod_nics or``: an empty one is false, and the adapter fills the one given.)
         self.pod_nics = pod_nics if pod_nics is not None else PodNICs()
         self.later = later
+        # Where its upkeep runs: between the runtime's requests (the daemon's worker).
+        self.background = background or Inline()
         self._units = units
         self.owed = Owed()
         self.unverified = Unverified()
@@ -107,11 +111,12 @@ class Node:
         self.unrelayed_pods: dict[str, str] = {}
         self.sweeping = False
         # Interrupts: the kept-free CPUs last applied (None: not yet), the interrupts the kernel
-        # refused to move (managed ones), whether a rescan is scheduled (daemon/upkeep.py).
+        # refused to move (managed ones), whether a rescan is scheduled (daemon/irq_upkeep.py).
         self.irq_kept: CPUSet | None = None
         self.irq_unchangeable: frozenset[tuple[int, str]] = frozenset()
         self.irq_rescanning = False
-        self.irq_warned: frozenset[str] = frozenset()  # the last look's warnings (upkeep.py)
+        self.irq_work: irq_upkeep.IrqWork | None = None  # queued or under way
+        self.irq_warned: frozenset[str] = frozenset()  # the last pass's warnings (irq_upkeep.py)
         self.file = StateFile(settings.state_dir, self.progress)
         self._build(merge(settings, self.flags))  # a bad configuration fails now
 
@@ -150,9 +155,10 @@ class Node:
         request must fail (the runtime then fails the operation, kubelet retries it)."""
         effects = HANDLERS[type(event)](self, event, deliver)
         if self.loaded:
-            # After the event's answer and commit: its CPUs kept free of interrupts, or given
-            # back, as its outcome says (nothing to do, and one set comparison, most times).
-            upkeep.keep_irqs_free(self)
+            # After the event's answer and commit, in the background: its CPUs kept free of
+            # interrupts, or given back, as its outcome says (nothing to do, and one set
+            # comparison, most times).
+            irq_upkeep.keep_free(self)
         return effects
 
     # --- queries (from the event loop too) -------------------------------------------------------
@@ -324,5 +330,5 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.Release: upkeep.release,
     ev.Restore: upkeep.restore,
     ev.Owe: upkeep.owe,
-    ev.IrqRescan: upkeep.rescan_irqs,
+    ev.IrqRescan: irq_upkeep.rescan,
 }

@@ -57,6 +57,7 @@ class Daemon:
         self.node = Node(
             settings, audit, flags,
             progress=self.worker, units=units, pod_nics=self.pod_nics, later=self._later,
+            background=self.worker,
         )  # fmt: skip
         self.deadline = Deadline(self.node, audit, self.worker)
         self.adapter = NRIAdapter(self.deadline, self.node, self.pod_nics, self)

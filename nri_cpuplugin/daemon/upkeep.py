@@ -1,23 +1,23 @@
 """What the node does on its own: follows CPU hotplug, sweeps the containers known only from
 the state file (daemon/unverified.py), learns which CPUs a lost state's containers are pinned
 to, and takes back or owes what a request answered without its decision did late
-(daemon/late.py).  Functions of the node (daemon/node.py), which owns everything they change."""
+(daemon/late.py).  Functions of the node (daemon/node.py), which owns everything they change.
+Interrupts are daemon/irq_upkeep.py's.  The sweep and the eviction rechecks run as background
+work (daemon/background.py), between the runtime's requests; hotplug runs in order with them."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
-from ..core import irq
 from ..core.cpuset import CPUSet
 from ..core.engine import Outcome
 from ..core.policy import StaticPolicy
-from ..core.state import IrqRecord
-from ..hardware import irq_keeper
 from ..hardware.liveness import pinned_cpus
 from ..ops import audit as audit_mod
 from . import events as ev
+from . import irq_upkeep
 from .effects import NO_EFFECTS, Deliver, Effects, keep
 from .online import engine_for_online_cpus
 from .routes import cgroup_target
@@ -28,11 +28,6 @@ log = logging.getLogger("nri_cpuplugin")
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .node import Node
-
-# While CPUs are kept free of interrupts, the interrupts are looked at again this often: new
-# devices' interrupts start on the default affinity, and irqbalance re-places every interrupt at
-# its rescans.
-IRQ_RESCAN = 10.0
 
 # cgroup v1 evicts the tasks of a cpuset left without CPUs from a workqueue, possibly after we
 # repaired it: look again this long after an offline event (bounded; nothing runs when idle).
@@ -116,7 +111,7 @@ def _follow_online(node: Node, event: ev.CPUsChanged) -> None:
     node.routes.push(outcome.targets, node.state, "CPU hotplug")
     # Unmanaged interrupts left without an online CPU were reset to all of them (exclusive
     # ones included), and some drivers reset their vectors at any hotplug: look again.
-    keep_irqs_free(node, force=True)
+    irq_upkeep.keep_free(node, force=True)
     emptied = tuple(c for c in changed if StaticPolicy.cpuset_for(before, c) <= went)
     if went and emptied:
         for delay in EVICTION_RECHECKS:
@@ -246,34 +241,3 @@ def learn_pinned(node: Node) -> None:
             reason="state lost",
         )
     node.pinned = pinned
-
-
-def keep_irqs_free(node: Node, force: bool = False) -> None:
-    """The kept-free CPUs of the state applied to the interrupts (hardware/irq_keeper.py), when
-    they changed since last time (``force``: whatever they are: after hotplug, a rescan)."""
-    free = irq.keep_free(node.state)
-    if not force and free == node.irq_kept:
-        return
-
-    def record(records: Mapping[int, IrqRecord]) -> None:
-        if dict(records) != dict(node.state.irqs):
-            with node.file.locked(decides=False):
-                node.commit(Outcome(node.state.evolve(irqs=records)))
-
-    kept = irq_keeper.keep_free(
-        node.irq_roots, node.state, node.policy.topology.online, node.irq_unchangeable, record
-    )
-    node.irq_kept = free
-    node.irq_unchangeable = kept.unchangeable
-    # A warning the last look gave too (interrupts that cannot be read, a write that keeps
-    # failing) is said once while it lasts, not at every rescan.
-    node.audit.emit(e for e in kept.events if e.message not in node.irq_warned)
-    node.irq_warned = frozenset(e.message for e in kept.events if e.priority == audit_mod.WARNING)
-    if free and not node.irq_rescanning:
-        node.irq_rescanning = node.later(IRQ_RESCAN, ev.IrqRescan())
-
-
-def rescan_irqs(node: Node, event: ev.IrqRescan, deliver: Deliver = keep) -> Effects:
-    node.irq_rescanning = False
-    keep_irqs_free(node, force=True)
-    return NO_EFFECTS

@@ -3,12 +3,21 @@ job within a budget (daemon/deadline.py says what is answered when the budget ru
 
 A job's *phase* says what it is waiting for, so that a missed deadline can name its cause;
 its *answer* says how its request was answered without it, so that what it does late agrees.
+
+**Requests first.**  Two queues: the *jobs* - the runtime's requests, what they do after
+their answers, the events whose order matters (a disconnection, CPU hotplug) - run in the
+order submitted; *upkeep* (daemon/background.py: interrupt narrowing and rescans, the sweep,
+eviction rechecks) runs in steps, one step at a time and only while no job is queued.  A step
+stops at its next bounded point once a job is queued (``waiting``), so a request waits for at
+most the write or read a step is in, never for the whole of the node's upkeep.  Upkeep runs in
+the order queued, each item to its end before the next (``drain`` waits behind all of it).
 """
 
 from __future__ import annotations
 
 import _thread
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -18,7 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .progress import DECIDING, QUEUED, Abandoned
+from .job import ERROR, FALLBACK, Job
+from .progress import DECIDING
 
 log = logging.getLogger("nri_cpuplugin")
 
@@ -26,115 +36,10 @@ log = logging.getLogger("nri_cpuplugin")
 # a normal job (about a millisecond), so the cheaper blocking hand-off serves nearly all.
 FAST_WAIT = 0.02
 
-# How the runtime was answered when the budget ran out first.
-ERROR = "error"  # the operation failed: nothing the job decides may stay in force
-FALLBACK = "fallback"  # answered as well as could be without the job: the job's result stands
-
-
-class Job:
-    """One piece of the daemon's work, run by the Worker.
-
-    ``answer`` is "" while the job may still answer its request itself, or how the request
-    was answered when the budget ran out first (ERROR or FALLBACK); ``late`` then runs in the
-    worker when the job ends."""
-
-    __slots__ = (
-        "_finished",
-        "_lock",
-        "_waiter",
-        "answer",
-        "answered",
-        "answered_at",
-        "args",
-        "awaited",
-        "deciding",
-        "delivered",
-        "done",
-        "error",
-        "fn",
-        "late",
-        "loop",
-        "name",
-        "phase",
-        "refusable",
-        "result",
-        "subject",
-        "submitted",
-    )
-
-    def __init__(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: tuple,
-        loop: asyncio.AbstractEventLoop,
-        awaited: bool,
-    ) -> None:
-        self.name = name
-        self.fn = fn
-        self.args = args
-        self.loop = loop
-        self.awaited = awaited
-        # An error answer means the runtime's operation did not happen (a creation, a resize):
-        # the job then does nothing it has not done yet.
-        self.refusable = False
-        self.deciding = False  # running its function (not its late part, which must finish)
-        self.delivered = False  # its result went to the handler before its function returned
-        self.submitted = time.monotonic()
-        self.phase = QUEUED
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.late: Callable[[Job], None] | None = None
-        self.answer = ""
-        self.answered: Any = None  # the reply the request got without the job
-        self.answered_at = 0.0
-        self.subject = name  # what the request was about, for the audit trail
-        self._lock = _thread.allocate_lock()
-        self._finished = False
-        self._waiter: asyncio.Future[bool] | None = None
-        # Held until the job has ended: what a handler blocks on (the cheap hand-off).
-        self.done = _thread.allocate_lock()
-        self.done.acquire()
-
-    def abandon(self, answer: str) -> bool:
-        """The request was answered without the job (ERROR or FALLBACK).  False when the job
-        ended meanwhile: its own result answers then."""
-        with self._lock:
-            if self._finished:
-                return False
-            self.answer = answer
-            self.answered_at = time.monotonic()
-            return True
-
-    def _wait_with(self, waiter: asyncio.Future[bool]) -> bool:
-        """Have the worker wake ``waiter`` when the job ends; False when it has already."""
-        with self._lock:
-            if self._finished:
-                return False
-            self._waiter = waiter
-            return True
-
-    def _finish(self) -> tuple[bool, asyncio.Future[bool] | None]:
-        """(ended before its request was answered without it, who waits on the loop)."""
-        with self._lock:
-            self._finished = True
-            return not self.answer, self._waiter
-
-    def abandoned_check(self) -> None:
-        """Raise Abandoned when the request was answered with an error: from then on the job
-        does nothing more (checked before it starts, after it takes the lock, before an
-        exclusive commit)."""
-        if self.deciding and self.answer == ERROR:
-            raise Abandoned(f"{self.name} was answered with an error before it was decided")
-
-    def outcome(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.result
-
 
 class Worker:
-    """The thread that runs the daemon's jobs, one at a time, in the order submitted.
+    """The thread that runs the daemon's jobs, one at a time, in the order submitted, and its
+    upkeep between them (see the module text).
 
     Started with the first job; a daemon thread, so a job stuck in the kernel cannot keep the
     process from exiting.  Idle, it sleeps on its queue and wakes nobody.
@@ -148,7 +53,10 @@ class Worker:
     def __init__(self, name: str = "nri-cpuplugin-worker") -> None:
         self.name = name
         self.current: Job | None = None
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        # Jobs, and None: a wake-up for upkeep queued while the thread sleeps on its queue.
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._upkeep: collections.deque[Job] = collections.deque()  # the head is stepping
+        self._stepping = False  # a step of upkeep runs now
         self._thread: threading.Thread | None = None
         self._cpu = -1  # the CPU the thread is pinned to (-1: none)
         # Jobs of requests answered already, queued on the event loop's next turn (after the
@@ -186,10 +94,37 @@ class Worker:
         self._enqueue(job)
         return job
 
+    def upkeep(
+        self, name: str, step: Callable[[], bool], *, awaited: bool = False, last: bool = False
+    ) -> Job:
+        """Queue background work: ``step()`` runs while no job is queued, again while it
+        returns True (see the module text); ``last``: only once no other upkeep is left (what
+        the jobs running now queue, too).  From the event loop, or from a running job."""
+        here = self.job_here()
+        loop = here.loop if here is not None else asyncio.get_running_loop()
+        job = Job(name, step, (), loop, awaited)
+        job.last = last
+        if here is None:
+            self._queue_answered()  # (they come first all the same)
+            self._start()
+        self._upkeep.append(job)
+        if here is None:
+            self._queue.put(None)
+        return job
+
+    def waiting(self) -> bool:
+        """Whether a job is queued: the running step of upkeep stops as soon as it can."""
+        return bool(self._after_answer) or not self._queue.empty()
+
     def idle(self) -> bool:
-        """Nothing queued or running: the daemon's state is current and stays so until the
-        event loop submits again (call from the event loop)."""
-        return self._ended == self._submitted
+        """No job queued or running, no step of upkeep running: the daemon's state is current
+        and stays so until the event loop submits again (call from the event loop).  Upkeep
+        still queued comes after whatever is submitted now, as if it had come later."""
+        return self._ended == self._submitted and not self._stepping
+
+    def settled(self) -> bool:
+        """Idle, and no upkeep left either."""
+        return self.idle() and not self._upkeep
 
     def _queue_answered(self) -> None:
         jobs, self._after_answer = self._after_answer, []
@@ -282,32 +217,62 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            self.current = job
-            job.phase = DECIDING
-            job.deciding = True
             try:
-                job.abandoned_check()
-                result = job.fn(*job.args)
-                if not job.delivered:
-                    job.result = result
-            except Exception as err:
-                if job.delivered and not job.answer:
-                    # Its answer went out in time: nobody else will hear of this failure.
-                    log.exception("%s failed after its answer", job.name)
+                job = self._queue.get(block=not self._upkeep)
+            except queue.Empty:
+                head = self._upkeep[0]
+                if head.last and not all(job.last for job in self._upkeep):
+                    self._upkeep.rotate(-1)
                 else:
-                    job.error = err
-            job.deciding = False
-            in_time = (not job.answer) if job.delivered else self._complete(job)
-            if not in_time and job.late is not None:
-                try:
-                    job.late(job)
-                except Exception:  # the worker must outlive a bug in one job
-                    log.exception("finishing %s after its deadline failed", job.name)
-            self.current = None
-            self._ended += 1
-            if not job.awaited and job.error is not None:
+                    self._step(head)
+                continue
+            if job is not None:
+                self._execute(job)
+
+    def _step(self, job: Job) -> None:
+        """One step of the upkeep at the head of its queue; it ends when the step says so."""
+        self._stepping = True
+        self.current = job
+        job.phase = DECIDING
+        try:
+            more = bool(job.fn(*job.args))
+        except Exception as err:  # the worker must outlive a bug in one step
+            job.error, more = err, False
+        self.current = None
+        self._stepping = False
+        if not more:
+            self._upkeep.popleft()
+            self._complete(job)
+            if job.error is not None:
                 log.error("%s failed: %s", job.name, job.error)
+
+    def _execute(self, job: Job) -> None:
+        """Run one job to its end (its late part too, when it was answered without it)."""
+        self.current = job
+        job.phase = DECIDING
+        job.deciding = True
+        try:
+            job.abandoned_check()
+            result = job.fn(*job.args)
+            if not job.delivered:
+                job.result = result
+        except Exception as err:
+            if job.delivered and not job.answer:
+                # Its answer went out in time: nobody else will hear of this failure.
+                log.exception("%s failed after its answer", job.name)
+            else:
+                job.error = err
+        job.deciding = False
+        in_time = (not job.answer) if job.delivered else self._complete(job)
+        if not in_time and job.late is not None:
+            try:
+                job.late(job)
+            except Exception:  # the worker must outlive a bug in one job
+                log.exception("finishing %s after its deadline failed", job.name)
+        self.current = None
+        self._ended += 1
+        if not job.awaited and job.error is not None:
+            log.error("%s failed: %s", job.name, job.error)
 
     async def finished(self, job: Job, budget: float | None) -> bool:
         """Whether ``job`` ended within ``budget`` seconds of its submission (None: no limit,

@@ -1,15 +1,19 @@
 """Keeping the CPUs of containers that asked for it free of device interrupts: read what /proc
 shows, plan (core/irq.py), record, write, tell irqbalance - the same steps for both front ends.
 
-The records of what is taken are committed before any affinity is narrowed (``record``, the
-front end's commit), and again once the writes are made: a crash in between leaves records
-that the next run finds and completes, never a CPU taken that nobody gives back.  Interrupts
-the kernel refuses to move (managed ones) are left alone, counted, and not tried again.
+The records of what is taken are committed durably before any affinity is narrowed (the front
+end's commit of ``Pass.recording``: when it fails, nothing is written), and again once the
+writes are made: a crash in between leaves records that the next run finds and completes,
+never a CPU taken that nobody gives back.  ``keep_free`` does it all in one go (the OCI hook);
+``Pass`` in steps (the daemon, between the runtime's requests: daemon/irq_upkeep.py).
+Interrupts the kernel refuses to move (managed ones) are left alone, counted, and not tried
+again.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 
 from ..base.value import Value
 from ..core import irq as plan_irq
@@ -20,7 +24,7 @@ from . import irq, irqbalance
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
 
 class Roots(Value):
@@ -44,6 +48,115 @@ class Kept(Value):
     events: tuple[AuditEvent, ...]
 
 
+class Pass:
+    """One bringing-in-line of the interrupts with a state's kept-free CPUs, in steps that can
+    be spread over time (the daemon writes a few at a time between the runtime's requests):
+
+    1. ``read``: what /proc shows (all of it, or a slice at a time), then the plan
+       (core/irq.py); ``problem`` says why not when /proc cannot be read;
+    2. the caller commits ``recording()`` - durably: no affinity is narrowed before what it
+       takes is on disk - then ``ban``s irqbalance from the kept-free CPUs;
+    3. ``write`` as many times as it takes;
+    4. ``finish``: the records once the writes are made, irqbalance let back when nothing is
+       kept free, what was done as audit events.
+
+    Stopped between writes, ``recording()`` is still exact: the next pass (or the next run,
+    after a crash) takes it from there."""
+
+    def __init__(
+        self,
+        roots: Roots,
+        state: NodeState,
+        online: CPUSet,
+        unchangeable: frozenset[tuple[int, str]],
+    ) -> None:
+        self.roots = roots
+        self.keep = plan_irq.keep_free(state)
+        self.before = state.irqs
+        self.online = online
+        self.shared = state.shared
+        self.unchangeable = unchangeable
+        self.plan = plan_irq.IrqPlan((), state.irqs, 0, 0)
+        self.planned = False
+        self.problem: AuditEvent | None = None
+        self._reading: Iterator[plan_irq.Irq] | None = None
+        self._found: list[plan_irq.Irq] = []
+        self.pending: deque[tuple[int, CPUSet]] = deque()
+        self.names: dict[int, str] = {}
+        self.refused: set[tuple[int, str]] = set()
+        self.failed: list[str] = []
+        self.notes: list[str | None] = []
+
+    @property
+    def needed(self) -> bool:
+        """Whether anything is kept free, or left to give back."""
+        return bool(self.keep or self.before)
+
+    def read(self, limit: int = 0, enough: Callable[[], bool] = lambda: False) -> bool:
+        """Read up to ``limit`` interrupts (0: all), fewer when ``enough()`` says so after one;
+        once all are read, plan.  Whether more are left to read."""
+        if self._reading is None:
+            self._reading = irq.reading(self.roots.proc)
+        count = 0
+        try:
+            for one in self._reading:
+                self._found.append(one)
+                count += 1
+                if count == limit or enough():
+                    return True
+        except irq.IrqError as err:
+            self.problem = _event(f"cannot read interrupts: {err}", WARNING)
+            return False
+        found = sorted(self._found, key=lambda i: i.number)
+        self.names = {i.number: i.names for i in found}
+        self.plan = plan_irq.plan(
+            found, self.keep, self.online, self.shared, self.before, self.unchangeable
+        )
+        self.pending = deque(self.plan.writes)
+        self.planned = True
+        return False
+
+    def recording(self) -> dict[int, IrqRecord]:
+        """What the state must record while the writes not made yet are pending."""
+        refused = (n for n, _ in self.refused)
+        return plan_irq.while_writing(self.before, self.plan, (n for n, _ in self.pending), refused)
+
+    def ban(self) -> None:
+        if self.keep:
+            self.notes.append(_ban(self.roots, self.keep))
+
+    def lift(self) -> tuple[AuditEvent, ...]:
+        """Nothing to keep free or give back, but a ban sent while a plan narrowed nothing (or
+        before a restart) is lifted still."""
+        return _lift_ban(self.roots)
+
+    def write(self, limit: int, enough: Callable[[], bool] = lambda: False) -> bool:
+        """Up to ``limit`` writes, fewer when ``enough()`` says so after one; whether more
+        are left."""
+        for _ in range(limit):
+            if not self.pending:
+                break
+            number, cpus = self.pending.popleft()
+            try:
+                irq.write(self.roots.proc, number, cpus)
+            except irq.Refused:
+                self.refused.add((number, self.names.get(number, "")))
+            except irq.IrqError as err:
+                self.failed.append(str(err))
+            if enough():
+                break
+        return bool(self.pending)
+
+    def finish(self) -> Kept:
+        """The records once every write is made, and what the pass did."""
+        records = self.recording()
+        if not self.keep:
+            self.notes.append(_ban(self.roots, self.keep))
+        refused = frozenset(self.refused)
+        events = _events(self.keep, self.plan, refused, self.failed, self.notes)
+        return Kept(records, self.unchangeable | refused, events)
+
+
 def keep_free(
     roots: Roots,
     state: NodeState,
@@ -51,45 +164,22 @@ def keep_free(
     unchangeable: frozenset[tuple[int, str]],
     record: Callable[[Mapping[int, IrqRecord]], None],
 ) -> Kept:
-    """Bring every changeable interrupt in line with ``state`` (core/irq.py); ``record``
-    commits the interrupt records of the state."""
-    keep = plan_irq.keep_free(state)
-    if not keep and not state.irqs:
-        # Nothing to give back, but a ban sent while a plan narrowed nothing (or before a
-        # restart) is lifted still.
-        return Kept(state.irqs, unchangeable, _lift_ban(roots))
-    try:
-        found = irq.interrupts(roots.proc)
-    except irq.IrqError as err:
-        return Kept(state.irqs, unchangeable, (_event(f"cannot read interrupts: {err}", WARNING),))
-    plan = plan_irq.plan(found, keep, online, state.shared, state.irqs, unchangeable)
-    record({**state.irqs, **plan.records})  # what a crash during the writes must not lose
-    notes = []
-    if keep:
-        notes.append(_ban(roots, keep))
-    refused, failed = _write(roots, plan, found)
-    records = {n: r for n, r in plan.records.items() if (n, r.names) not in refused}
-    record(records)
-    if not keep:
-        notes.append(_ban(roots, keep))
-    unchangeable = unchangeable | refused
-    return Kept(records, unchangeable, _events(keep, plan, refused, failed, notes))
-
-
-def _write(
-    roots: Roots, plan: plan_irq.IrqPlan, found: list[plan_irq.Irq]
-) -> tuple[frozenset[tuple[int, str]], list[str]]:
-    names = {i.number: i.names for i in found}
-    refused: set[tuple[int, str]] = set()
-    failed = []
-    for number, cpus in plan.writes:
-        try:
-            irq.write(roots.proc, number, cpus)
-        except irq.Refused:
-            refused.add((number, names.get(number, "")))
-        except irq.IrqError as err:
-            failed.append(str(err))
-    return frozenset(refused), failed
+    """Bring every changeable interrupt in line with ``state`` (core/irq.py) in one go;
+    ``record`` commits the interrupt records of the state, durably (raises when it cannot:
+    nothing is written then)."""
+    run = Pass(roots, state, online, unchangeable)
+    if not run.needed:
+        return Kept(state.irqs, unchangeable, run.lift())
+    run.read()
+    if run.problem is not None:
+        return Kept(state.irqs, unchangeable, (run.problem,))
+    record(run.recording())  # what a crash during the writes must not lose
+    run.ban()
+    while run.write(len(run.pending) or 1):
+        pass
+    kept = run.finish()
+    record(kept.records)
+    return kept
 
 
 def _ban(roots: Roots, keep: CPUSet) -> str | None:

@@ -36,6 +36,7 @@ from .bench_guest import lines as guest_lines
 from .bench_hook import bench_hook_contention, bench_hook_latency
 from .bench_host_starts import bench_host_pod_starts
 from .bench_hw import bench_hotplug_latency, bench_nic_inspection
+from .bench_irqload import IRQS, RESCAN, WRITE_COST, bench_irq_load
 from .bench_nic import bench_nic_read_ahead
 from .bench_nri import (
     bench_create_decode_encode,
@@ -894,6 +895,47 @@ def section_guest(quick: bool) -> list[str]:
     return guest_lines(guest, host)
 
 
+def section_irqload(quick: bool) -> list[str]:
+    report = bench_irq_load(20.0 if quick else 60.0)
+    budget_ms = report["budget_s"] * 1e3
+    work = report["sides"]["interrupt work"]
+    lines = [
+        "## Requests under interrupt load",
+        "",
+        f"The daemon in-process (its NRI adapter called as the stub calls it) on a generated "
+        f"48-CPU node with {IRQS} changeable interrupts, each affinity write made to take "
+        f"{WRITE_COST * 1e3:g} ms (tests/bench/bench_irqload.py). Pods start one after "
+        "another (RunPodSandbox, CreateContainer, StartContainer; Guaranteed and Burstable, "
+        f"the oldest removed past 8) for {report['seconds']:g} s per side. *Interrupt work*: "
+        "two irq-free pods (every interrupt narrowed for the first, planned again for the "
+        f"second a third of the way in), a rescan every {RESCAN:g} s (twice the daemon's "
+        "rate; each re-reads every interrupt) after a FAKE irqbalance put a tenth of them "
+        f"back on every CPU: {work['writes']} affinity writes "
+        f"({work['writes'] * WRITE_COST:.0f} s of them) and {work['rescans']} rescans during "
+        "the side. *None*: the same node and pods, not irq-free. Decision latency: from the "
+        "handler's call to its answer.",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        "| side | request | samples | p50 | p99 | max | budget misses |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for side in ("interrupt work", "none"):
+        result = report["sides"][side]
+        for name, s in result["per_request"].items():
+            lines.append(
+                f"| {side} | {name} | {s['n']} | {_ms(s['median_ms'])} | {_ms(s['p99_ms'])} | "
+                f"{_ms(s['max_ms'])} | {result['misses']} |"
+            )
+    lines += [
+        "",
+        f"Budget: {budget_ms:g} ms (`nri.request_budget`). Goal: p99 within it, no miss "
+        "(*budget misses* counts the side's requests answered without their decision).",
+        "",
+    ]
+    return lines
+
+
 SECTIONS = (
     "foundation",
     "transport",
@@ -906,6 +948,7 @@ SECTIONS = (
     "crio",
     "dbus",
     "guest",
+    "irqload",
 )
 
 
@@ -937,6 +980,7 @@ def main() -> None:
         "crio": section_crio,
         "dbus": section_dbus,
         "guest": section_guest,
+        "irqload": section_irqload,
     }
     for name, section in sections.items():
         if not args.only or name in args.only:

@@ -16,6 +16,7 @@ import pytest
 from daemon_driver import Driver
 from fake_irqbalance import FakeIrqbalance, short_root
 from nri_messages import container, pod
+from proc_gen import proc_tree
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -71,20 +72,6 @@ def test_a_reused_number_or_a_refused_interrupt_is_not_ours():
 
 
 # --- the /proc files ---------------------------------------------------------------------------
-
-
-def proc_tree(root: Path, irqs: dict[int, str], default: str = "ff") -> Path:
-    """A generated /proc with ``irqs`` (number -> smp_affinity_list), their /proc/interrupts
-    rows for 8 CPUs, and the default affinity."""
-    (root / "irq").mkdir(parents=True)
-    (root / "irq" / "default_smp_affinity").write_text(f"{default}\n")
-    rows = ["           " + " ".join(f"CPU{i}" for i in range(8))]
-    for number, affinity in irqs.items():
-        (root / "irq" / str(number)).mkdir()
-        (root / "irq" / str(number) / "smp_affinity_list").write_text(f"{affinity}\n")
-        rows.append(f" {number}: {' '.join('0' for _ in range(8))} PCI-MSIX 1-edge virtio{number}")
-    (root / "interrupts").write_text("\n".join(rows) + "\n")
-    return root
 
 
 def test_interrupts_are_read_and_written_in_the_kernels_formats(tmp_path):
