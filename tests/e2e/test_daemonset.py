@@ -3,7 +3,7 @@ image the project builds (`./dev image`), run on a private containerd (2.1, 2.3)
 kubelet (harness/kubelet_pod.py: no kubelet or API server runs here) that turns the manifest's
 pod template into the CRI calls kubelet makes - command, args, mounts, securityContext,
 resources, restartPolicy.  Only the host paths differ: the runtime's NRI socket directory, the
-state directory and the journal socket are the test's own.
+state directory and /run/systemd (with the journal's socket) are the test's own.
 
 The plugin in its container registers with the runtime, a Guaranteed pod started afterwards is
 born pinned (its first output line), a shared pod is moved off its CPU, and when the plugin's
@@ -44,7 +44,7 @@ def containerd(make_containerd: Callable[..., Containerd]) -> Containerd:
 
 @pytest.fixture
 def journal(tmp_path: Path) -> Iterator[PrivateJournal]:
-    with PrivateJournal(str(tmp_path / "journal")) as j:
+    with PrivateJournal(str(tmp_path / "run-systemd/journal")) as j:
         yield j
 
 
@@ -59,7 +59,8 @@ def plugin_pod(
         host_paths={
             "/var/run/nri": containerd.nri_socket.parent,
             "/var/lib/nri-cpuplugin": tmp_path / "state",
-            "/run/systemd/journal/socket": journal.socket_path,
+            "/run/systemd": tmp_path / "run-systemd",
+            "/etc/systemd": tmp_path / "etc-systemd",
         },
     )
     yield pod
@@ -120,7 +121,8 @@ def test_the_probes_say_ready_only_once_the_plugin_is_registered(
         host_paths={
             "/var/run/nri": later,
             "/var/lib/nri-cpuplugin": tmp_path / "state",
-            "/run/systemd/journal/socket": journal.socket_path,
+            "/run/systemd": tmp_path / "run-systemd",
+            "/etc/systemd": tmp_path / "etc-systemd",
         },
     )
     try:

@@ -65,7 +65,7 @@ def fail_closed(make_containerd: Callable[..., Containerd], containerd_version: 
 
 @pytest.fixture
 def journal(tmp_path: Path) -> Iterator[PrivateJournal]:
-    with PrivateJournal(str(tmp_path / "journal")) as j:
+    with PrivateJournal(str(tmp_path / "run-systemd/journal")) as j:
         yield j
 
 
@@ -117,7 +117,9 @@ def test_upgrade_and_rollback_move_no_pinned_container(
     host_paths = {
         "/var/run/nri": fail_closed.nri_socket.parent,
         "/var/lib/nri-cpuplugin": tmp_path / "state",
-        "/run/systemd/journal/socket": journal.socket_path,
+        "/run/systemd": tmp_path / "run-systemd",
+        "/etc/systemd": tmp_path / "etc-systemd",
+        "/run/systemd/journal/socket": journal.socket_path,  # 0.1.0's mount
     }
     synchronized = 0
 
