@@ -606,12 +606,15 @@ def test_daemonset_mounts_what_the_configured_daemon_uses() -> None:
         str(Path(settings.nri_socket).parent): ("/var/run/nri", "DirectoryOrCreate", False),
         args.sysfs: ("/sys", "Directory", True),
         settings.state_dir: (DEFAULT_STATE_DIR, "DirectoryOrCreate", False),
-        audit.JOURNAL_SOCKET: ("/run/systemd/journal/socket", "Socket", False),
+        # the journal's socket, systemd's private bus and its unit files, read-only
+        "/run/systemd": ("/run/systemd", "Directory", True),
+        "/etc/systemd": ("/etc/systemd", "DirectoryOrCreate", True),
         # the host's cgroups where the daemon looks for them, writable (DAEMON_WRITES)
         cgroupfs.DEFAULT_ROOT: ("/sys/fs/cgroup", "Directory", False),
     }
     for path in DAEMON_WRITES:
         assert not host_paths[path][2], f"{path} is mounted read-only: {DAEMON_WRITES[path]}"
+    assert audit.JOURNAL_SOCKET.startswith("/run/systemd/")
 
 
 def test_daemonset_probes_ask_the_daemon_of_the_mounted_state_directory() -> None:

@@ -1,0 +1,88 @@
+"""Guest side of tests/guest/test_daemonset.py: the shipped DaemonSet's pod, with the image the
+project builds, run on the guest node by the FAKE kubelet (harness/kubelet_pod.py) through
+kubelet's systemd driver (harness/guest_kubelet.py), every hostPath the node's own.  Returns
+what the kernel, systemd and the daemon's journal said; nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.guest_kubelet import SystemdKubelet
+from harness.kubelet_pod import DaemonSetPod
+
+from guest.pinning import (
+    _pinned_beside_shared,
+    _systemctl,
+    daemon_records,
+    journal_cursor,
+    scope_dir,
+    tasks_allowed,
+)
+from guest.scenarios import container_facts
+
+
+def _until(check: Callable[[], object], timeout: float) -> float | None:
+    """Seconds until ``check()`` held, None if it did not within ``timeout``."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            return None
+        time.sleep(0.5)
+    return round(time.monotonic() - started, 1)
+
+
+def _shared_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
+    facts = container_facts(cri, cid)
+    facts["tasks"] = tasks_allowed(scope_dir(cri, cid))
+    return facts
+
+
+def run_daemonset(address: str, import_command: list[str], manifest: str) -> dict[str, Any]:
+    """Import the image; run the DaemonSet's pod; a shared pod then a 2-CPU Guaranteed one;
+    3 ``daemon-reload``s; the plugin's container killed and restarted as kubelet would."""
+    result: dict[str, Any] = {}
+    imported = subprocess.run(import_command, capture_output=True, text=True, check=False)
+    result["import"] = {"rc": imported.returncode, "stderr": imported.stderr[-500:]}
+    with SystemdKubelet(address) as cri:
+        cursor = journal_cursor()
+        plugin = DaemonSetPod(cri, Path(manifest), Path(tempfile.mkdtemp(prefix="kubelet-")))
+        plugin.start()
+        result["plugin_scope"] = container_facts(cri, plugin.container_id or "")["scope"]
+        result["synchronized_after_s"] = _until(lambda: daemon_records("synchronize", cursor), 600)
+        result["start_records"] = [
+            {k: r.get(k) for k in ("VERSION", "PID", "MESSAGE")}
+            for r in daemon_records("start", cursor)
+        ]
+        shared, pinned, exclusive = _pinned_beside_shared(cri, "ds", result)
+        result["exclusive"] = sorted(exclusive)
+        result["after_reloads"] = []
+        for _ in range(3):
+            reload = _systemctl("daemon-reload")
+            time.sleep(1)
+            result["after_reloads"].append(
+                {
+                    "reload": reload,
+                    "shared": _shared_facts(cri, shared["app"]),
+                    "pinned": container_facts(cri, pinned["app"]),
+                }
+            )
+        killed = journal_cursor()
+        os.kill(plugin.pid(), signal.SIGKILL)
+        result["exited_after_s"] = _until(lambda: not plugin.running(), 120)
+        result["restarted"] = plugin.sync()
+        result["resynchronized_after_s"] = _until(
+            lambda: daemon_records("synchronize", killed), 600
+        )
+        result["pinned_after_kill"] = container_facts(cri, pinned["app"])
+        result["shared_after_kill"] = _shared_facts(cri, shared["app"])
+        plugin.delete(grace=15)
+        cri.remove_all()
+    return result

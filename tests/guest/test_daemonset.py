@@ -1,0 +1,73 @@
+"""The shipped DaemonSet on the production node: its pod, with the image `./dev image` builds,
+run by the FAKE kubelet through kubelet's systemd driver on containerd 2.3.4 (runc's systemd
+cgroup driver), every hostPath the guest node's own (tests/guest/daemonset.py runs it there).
+
+The plugin in its container registers; a Guaranteed pod started afterwards is born pinned; the
+shared pod is moved off its CPUs by direct writes - its scope handed over from systemd, with no
+``runc update`` (which would give systemd a cpuset for it again) - and nothing reverts through
+3 ``daemon-reload``s; the plugin's container killed and restarted moves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from harness.guest import Guest
+from harness.guest_runtimes import GuestRuntime
+from harness.host import parse_cpu_list
+from product_image import REPO, cached
+
+from guest.conftest import SCENARIO_RUNTIME
+from nri_cpuplugin import __version__
+
+MANIFEST = REPO / "packaging/kubernetes/daemonset.yaml"
+
+
+def _cpus(text: str) -> set[int]:
+    return set(parse_cpu_list(text))
+
+
+def _off(exclusive: set[int], shared: dict) -> None:
+    """The shared container, its cgroup and every task of it off the exclusive CPUs; systemd
+    holds no cpuset for its scope (handed over to the cgroup files: no runc update gave it
+    one)."""
+    assert not exclusive & _cpus(shared["cpuset_cpus_effective"]), shared
+    for tid, allowed in shared["tasks"].items():
+        assert not exclusive & _cpus(allowed), f"shared task {tid} may run on {allowed}"
+    assert shared["allowed_cpus"] == "", f"systemd holds {shared['allowed_cpus']} for it"
+
+
+@pytest.mark.parametrize("runtime_name", [SCENARIO_RUNTIME])
+def test_the_daemonset_pod_pins_on_the_systemd_driver(
+    guest: Guest, on_runtime: GuestRuntime
+) -> None:
+    archive = cached().archive
+    started = time.monotonic()
+    facts = guest.call(
+        "guest.daemonset:run_daemonset",
+        timeout=1800,
+        address=on_runtime.cri_socket,
+        import_command=[*on_runtime.import_images[0][:-1], str(archive)],
+        manifest=str(MANIFEST),
+    )
+    print(f"run_daemonset: {time.monotonic() - started:.1f} s in the guest")
+    print(json.dumps(facts, indent=1, sort_keys=True)[:20000])
+    assert facts["import"]["rc"] == 0, facts["import"]
+    assert facts["synchronized_after_s"] is not None, "the plugin in its pod never synchronized"
+    assert [r["VERSION"] for r in facts["start_records"]] == [__version__]
+
+    exclusive = set(facts["exclusive"])
+    assert len(exclusive) == 2, facts["pinned_first_line"]
+    assert _cpus(facts["pinned_before"]["cpuset_cpus_effective"]) == exclusive
+    for after in facts["after_reloads"]:
+        assert after["reload"]["rc"] == 0, after["reload"]
+        assert _cpus(after["pinned"]["cpuset_cpus_effective"]) == exclusive
+        _off(exclusive, after["shared"])
+
+    assert facts["exited_after_s"] is not None and facts["restarted"] is True
+    assert facts["resynchronized_after_s"] is not None, "the restarted plugin never synchronized"
+    assert _cpus(facts["pinned_after_kill"]["cpuset_cpus_effective"]) == exclusive
+    assert facts["pinned_after_kill"]["pid"] == facts["pinned_before"]["pid"]
+    _off(exclusive, facts["shared_after_kill"])
