@@ -85,6 +85,7 @@ BACKGROUND = {
     ev.SweepRound: "sweep",
     ev.CommitHeld: "drain",
     ev.IrqRescan: "irq",
+    ev.FinishHandOver: "systemd",
     ev.Disconnected: "disconnect",
 }
 

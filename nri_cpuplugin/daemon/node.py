@@ -324,4 +324,5 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.Restore: upkeep.restore,
     ev.Owe: upkeep.owe,
     ev.IrqRescan: upkeep.rescan_irqs,
+    ev.FinishHandOver: upkeep.finish_hand_over,
 }
