@@ -233,6 +233,25 @@ def test_a_refusal_systemd_sends_late_is_owed_to_the_runtimes_next_reply(tmp_pat
     plugin.close()
 
 
+def test_a_refusal_read_by_a_change_that_carries_its_container_is_still_owed(tmp_path, systemd):
+    """Finding 3 of issue 40: systemd's late refusal read while a change moves the container
+    again (the reply "carries" it, by writing its files) is not dropped from the owed ledger:
+    the runtime gets the container's target with its next reply that can carry updates."""
+    bus, _ = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, _ = running_shared(plugin, fake)
+    units = plugin.daemon.node.writer.units
+    refused = [nginx.id]
+    units.take_refused = lambda: [refused.pop()] if refused else []
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))  # moves nginx
+    assert nginx.id not in [u.container_id for u in updates]  # written: not this reply's
+    web = pod("web2", "burstable")
+    _, updates = plugin.create_container(web, container("php", web, 500))  # moves nobody
+    assert [(u.container_id, u.linux.resources.cpu.cpus) for u in updates] == [(nginx.id, POOL)]
+    plugin.close()
+
+
 @pytest.fixture
 def private(tmp_path) -> Iterator[tuple[str, FakeSystemd]]:
     """The FAKE systemd on a peer-to-peer socket of its own, as systemd's /run/systemd/private
