@@ -13,6 +13,8 @@ the properties with their variant signatures and bytes as hex) and answers as sy
 * ``-denied``: ``org.freedesktop.DBus.Error.AccessDenied`` (what polkit's refusal looks like);
 * ``-oldsystemd``: ``org.freedesktop.DBus.Error.PropertyReadOnly``, "Cannot set property
   AllowedCPUs, or unknown property." (systemd before 244);
+* a unit the test named with ``refuse``: ``AccessDenied`` too (a refusal that comes late when
+  the fake was held or stalled meanwhile);
 * anything else: an empty method return.
 
 It is written with jeepney, an implementation independent of the product's (its wire format is
@@ -20,6 +22,12 @@ what is under test).  It can also listen on a socket of its own as a peer-to-pee
 the way systemd serves ``/run/systemd/private`` (no bus in between, no Hello).  A test that needs
 systemd to hang stops the fake with SIGSTOP (``FakeSystemd.stall``): the bus then queues the
 calls and nobody answers.
+
+On its peer-to-peer socket it can also play ``systemctl daemon-reexec``: ``hold`` makes it read
+no call (the calls queue, unread, as behind a busy systemd), and ``reexec`` closes every
+connection, the unread calls lost with them, as systemd does when it re-executes; the socket
+keeps listening, and new connections are served at once.  ``holds`` says what it keeps for a
+unit after the calls it applied: what a ``daemon-reload`` would write into the unit's cgroup.
 """
 
 from __future__ import annotations
@@ -153,6 +161,36 @@ class FakeSystemd:
                 return calls
             time.sleep(0.01)
 
+    def refuse(self, *units: str) -> None:
+        """Answer calls for these units with AccessDenied from now on."""
+        (Path(self.bus.dir.name) / REFUSE).write_text(json.dumps(units))
+
+    def hold(self) -> None:
+        """Read no call on the peer-to-peer socket from now on (until ``reexec``)."""
+        self._signal(signal.SIGUSR1, "held")
+
+    def reexec(self) -> None:
+        """Close every peer-to-peer connection, its unread calls lost, and serve again."""
+        self._signal(signal.SIGUSR2, "reexeced")
+
+    def _signal(self, signum: int, ack: str) -> None:
+        os.kill(self.process.pid, signum)
+        line = self.process.stdout.readline().strip()
+        if line != ack:
+            raise RuntimeError(f"the FAKE systemd answered {line!r}, not {ack!r}")
+
+    def holds(self, unit: str, created: set[int] | None, since: int = 0) -> set[int] | None:
+        """The CPUs this FAKE systemd keeps for ``unit`` after the calls it applied from call
+        ``since`` on (``created``: what it held before them): the last ``AllowedCPUs`` set,
+        None once released."""
+        held = created
+        for call in self.calls()[since:]:
+            if call["unit"] != unit or not call["applied"]:
+                continue
+            mask = int.from_bytes(bytes.fromhex(call["properties"][0][2]), "little")
+            held = {cpu for cpu in range(mask.bit_length()) if mask >> cpu & 1} or None
+        return held
+
     def stall(self) -> None:
         """Stop answering: the process is stopped, as a hung systemd would be."""
         os.kill(self.process.pid, signal.SIGSTOP)
@@ -175,6 +213,9 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 # --- the fake itself (runs in its own process) ----------------------------------------------
+
+
+REFUSE = "fake-systemd-refuse.json"
 
 
 def _answer(message, log_lock: threading.Lock, log_path: str):
@@ -203,6 +244,7 @@ def _answer(message, log_lock: threading.Lock, log_path: str):
     if fields.get(HeaderFields.signature) != "sba(sv)":
         return new_error(message, "org.freedesktop.DBus.Error.InvalidArgs", "s", ("bad signature",))
     unit, runtime, properties = message.body
+    reply = _reply_to(message, unit, Path(log_path).parent / REFUSE)
     entry = {
         "unit": unit,
         "runtime": runtime,
@@ -211,14 +253,21 @@ def _answer(message, log_lock: threading.Lock, log_path: str):
             for name, (signature, value) in properties
         ],
         "serial": header.serial,
+        "applied": reply.header.message_type == MessageType.method_return,
     }
     with log_lock, open(log_path, "a") as log:
         log.write(json.dumps(entry) + "\n")
+    return reply
+
+
+def _reply_to(message, unit: str, refuse: Path):
+    from jeepney import new_error, new_method_return
+
     if "-gone" in unit:
         return new_error(
             message, "org.freedesktop.systemd1.NoSuchUnit", "s", (f"Unit {unit} not loaded.",)
         )
-    if "-denied" in unit:
+    if "-denied" in unit or (refuse.exists() and unit in json.loads(refuse.read_text())):
         return new_error(
             message, "org.freedesktop.DBus.Error.AccessDenied", "s", ("Access denied",)
         )
@@ -232,7 +281,41 @@ def _answer(message, log_lock: threading.Lock, log_path: str):
     return new_method_return(message)
 
 
-def _serve_private(path: str, log_lock: threading.Lock, log_path: str) -> None:
+class Gate:
+    """Whether the peer-to-peer connections may read their calls, and their re-executions."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.held = False
+        self.generation = 0  # one more at each re-exec: older connections are closed
+        self.conns: set = set()
+
+    def hold(self, *_: object) -> None:
+        with self.cond:
+            self.held = True
+        print("held", flush=True)
+
+    def reexec(self, *_: object) -> None:
+        import socket
+
+        with self.cond:
+            self.generation += 1
+            self.held = False
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            self.conns.clear()
+            self.cond.notify_all()
+        print("reexeced", flush=True)
+
+    def may_read(self, generation: int) -> bool:
+        """Wait while held; False once the connection's systemd has re-executed."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.held or self.generation != generation)
+            return self.generation == generation
+
+
+def _serve_private(path: str, log_lock: threading.Lock, log_path: str, gate: Gate) -> None:
     """Peer-to-peer D-Bus on ``path``, as systemd's /run/systemd/private: SASL EXTERNAL by hand,
     then messages, no bus and no Hello."""
     import socket
@@ -242,10 +325,13 @@ def _serve_private(path: str, log_lock: threading.Lock, log_path: str) -> None:
     listener.listen(64)
 
     def connection(conn: socket.socket) -> None:
+        with gate.cond:
+            generation = gate.generation
+            gate.conns.add(conn)
         with contextlib.suppress(OSError):  # the client went away
-            converse(conn)
+            converse(conn, generation)
 
-    def converse(conn: socket.socket) -> None:
+    def converse(conn: socket.socket, generation: int) -> None:
         from jeepney import Parser
 
         with conn:
@@ -266,6 +352,8 @@ def _serve_private(path: str, log_lock: threading.Lock, log_path: str) -> None:
             serial = 0
             pending = rest
             while True:
+                if pending and not gate.may_read(generation):
+                    return  # re-executed: what was not read yet is lost
                 for message in parser.feed(pending):
                     reply = _answer(message, log_lock, log_path)
                     if reply is not None:
@@ -285,6 +373,9 @@ def serve(address: str, log_path: str, private: str | None) -> None:
     from jeepney.io.blocking import open_dbus_connection
 
     log_lock = threading.Lock()
+    gate = Gate()
+    signal.signal(signal.SIGUSR1, gate.hold)
+    signal.signal(signal.SIGUSR2, gate.reexec)
     connection = open_dbus_connection(bus=address)
     reply = connection.send_and_get_reply(message_bus.RequestName(SERVICE, 0))
     if reply.body != (1,):  # DBUS_REQUEST_NAME_REPLY_PRIMARY_OWNER
@@ -292,7 +383,7 @@ def serve(address: str, log_path: str, private: str | None) -> None:
         return
     if private:
         threading.Thread(
-            target=_serve_private, args=(private, log_lock, log_path), daemon=True
+            target=_serve_private, args=(private, log_lock, log_path, gate), daemon=True
         ).start()
         while not os.path.exists(private):
             time.sleep(0.001)

@@ -299,6 +299,9 @@ class FakeUnits:
     def take_refused(self) -> list[str]:
         return []  # FAKE systemd answers every call at once
 
+    def finish(self) -> list[str]:
+        return []  # (nothing is ever left unconfirmed)
+
     def forget(self, container_id: str) -> None:
         pass  # (asks every time: what is bare is FAKE systemd's to know)
 

@@ -88,6 +88,7 @@ BACKGROUND = {
     ev.SweepRound: "sweep",
     ev.CommitHeld: "drain",
     ev.IrqRescan: "irq",
+    ev.FinishHandOver: "systemd",
     ev.Disconnected: "disconnect",
 }
 # Those run as upkeep, between the runtime's requests (daemon/background.py); the others in

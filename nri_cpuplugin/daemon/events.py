@@ -152,6 +152,11 @@ class IrqRescan(Value):
     of them."""
 
 
+class FinishHandOver(Value):
+    """Finish the hand-over of systemd units left unconfirmed (calls pending, or lost with a
+    connection systemd closed): daemon/units.py, ``finish``."""
+
+
 class CommitHeld(Value):
     """Commit the state held in memory, if the file lags behind it (before the daemon exits)."""
 

@@ -331,4 +331,5 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.Restore: upkeep.restore,
     ev.Owe: upkeep.owe,
     ev.IrqRescan: irq_upkeep.rescan,
+    ev.FinishHandOver: upkeep.finish_hand_over,
 }

@@ -67,10 +67,16 @@ class Routes:
     ) -> list[Target]:
         """What is owed, for the reply being made (each goes out once); ``carried``: the
         containers that reply deals with already, or must not list."""
-        # what systemd refused after an earlier write had returned is owed like the rest (one
-        # this reply deals with was written, and asked of systemd, once more)
-        self.owed.add(self.writer.take_refused())
-        return [t for cid in self.owed.drain(carried) for t in engine.update(state, cid).targets]
+        carried = set(carried)
+        # What systemd refused after an earlier write had returned is owed like the rest, but
+        # never dropped as carried: the reply may carry nothing for it (it was written, and a
+        # unit asked of systemd again is no longer refused: daemon/units.py).  One this reply
+        # deals with stays owed to the next.
+        refused = set(self.writer.take_refused())
+        self.owed.add(refused - carried)
+        ids = self.owed.drain(carried)
+        self.owed.add(refused & carried)
+        return [t for cid in ids for t in engine.update(state, cid).targets]
 
     def for_reply(self, targets: Iterable[Target], state: NodeState) -> list[Target]:
         """Targets as a reply carries them (daemon/writer.py, ``for_runtime``)."""

@@ -49,9 +49,11 @@ class Daemon:
         if units is None:
             merged = merge(settings, flags or {})
             path = bus_path(merged.systemd_bus)
-            # systemd's unit files are read where the machine's root is: above its sysfs
-            root = os.path.dirname(merged.sysfs.rstrip("/")) or "/"
-            units = SystemdUnits(audit, path, root) if path is not None else None
+            # systemd's unit files are read where the machine's root is: as configured, else
+            # above its sysfs (units.py fails safe, and says so, where none are to be seen)
+            root = merged.systemd_unit_root or os.path.dirname(merged.sysfs.rstrip("/")) or "/"
+            if path is not None:
+                units = SystemdUnits(audit, path, root, self._finish_hand_over)
         self.worker = Worker()
         self.pod_nics = PodNICs()
         self.node = Node(
@@ -129,6 +131,10 @@ class Daemon:
         self.node.release_claim()
 
     # --- sources ----------------------------------------------------------------------------------
+
+    def _finish_hand_over(self, delay: float) -> bool:
+        """Follow up systemd units' hand-over (daemon/units.py) after ``delay`` seconds."""
+        return self._later(delay, ev.FinishHandOver())
 
     def _later(self, delay: float, event: object) -> bool:
         """Submit ``event`` after ``delay`` seconds (called from the worker; timers live on the

@@ -64,6 +64,13 @@ def owe(node: Node, event: ev.Owe, deliver: Deliver = keep) -> Effects:
     return NO_EFFECTS
 
 
+def finish_hand_over(node: Node, event: ev.FinishHandOver, deliver: Deliver = keep) -> Effects:
+    """systemd units whose hand-over was left unconfirmed (daemon/units.py): what systemd
+    refused is owed to the runtime's next reply."""
+    node.owed.add(node.writer.finish_units())
+    return NO_EFFECTS
+
+
 def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> Effects:
     """Kernel uevents: the engine follows the new online set (replacement, degraded,
     return), and cgroups are written directly (cgroup v1 never gives a CPU back by

@@ -34,6 +34,9 @@ class Units(Protocol):
     def take_refused(self) -> list[str]:
         """The ids of targets systemd refused after ``set_cpus`` had returned, each told once."""
 
+    def finish(self) -> list[str]:
+        """Follow up what earlier ``set_cpus`` left unconfirmed; the ids now the runtime's."""
+
     def forget(self, container_id: str) -> None:
         """The runtime gives the container's unit a cpuset now, or the container is gone."""
 
@@ -100,6 +103,11 @@ class CgroupWriter:
     def take_refused(self) -> list[str]:
         """Containers systemd refused after ``write`` had returned: the runtime's to apply."""
         return self.units.take_refused() if self.units is not None else []
+
+    def finish_units(self) -> list[str]:
+        """Finish what systemd left unconfirmed (daemon/units.py); the containers that are
+        the runtime's to apply after all."""
+        return self.units.finish() if self.units is not None else []
 
     def _write_files(self, targets: list[cpusets.Target]) -> set[str]:
         """The cgroup files; the ids whose write failed.  Most of them (a creation on a dense

@@ -24,7 +24,7 @@ from .systemd_units import (
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
     import _socket
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
 
 class SystemdClient:
@@ -38,7 +38,7 @@ class SystemdClient:
         self.hello = path != SYSTEMD_PRIVATE if hello is None else hello
         self.sock: _socket.socket | None = None
         self.conversation: Conversation | None = None
-        self.late: dict[str, UnitResult] = {}
+        self.late: list[UnitResult] = []
 
     def set_allowed(
         self, changes: Sequence[tuple[str, Iterable[int], Iterable[int] | None]], timeout: float
@@ -81,16 +81,53 @@ class SystemdClient:
         except OSError as e:
             error = SystemdError(f"systemd's D-Bus connection at {self.path} failed: {e}", "closed")
             conversation.fail(UNREACHABLE, error)
-        self.late.update(conversation.take_late())
+        self.late += conversation.take_late()
         if conversation.closed:
             self.close()
         return in_order(batch, changes)
 
-    def take_late(self) -> dict[str, UnitResult]:
+    def take_late(self) -> list[UnitResult]:
         """What became of calls left PENDING by earlier ``set_allowed``s, as far as known (their
-        answers are read while later calls wait for theirs), by unit; each told once."""
-        late, self.late = self.late, {}
+        answers are read while later calls wait for theirs, or by ``collect``): one result per
+        call, in the order they came; each told once."""
+        late, self.late = self.late, []
         return late
+
+    def collect(self, timeout: float) -> None:
+        """Read the answers to pending calls for at most ``timeout`` seconds, until none is
+        left (``take_late`` gives them): for a caller with nothing new to send that must learn
+        whether what it sent was applied - or lost with the connection."""
+        conversation = self.conversation
+        if conversation is None or conversation.closed or not conversation.late.waiting:
+            return
+        self._read(conversation, time.monotonic() + timeout, lambda: not conversation.late.waiting)
+        self.late += conversation.take_late()
+        if conversation.error is not None:  # (failed: closed)
+            self.close()
+
+    def _read(self, conversation: Conversation, deadline: float, done: Callable[[], bool]) -> None:
+        """Receive into ``conversation`` until ``done()`` or the deadline; a closed or failing
+        connection fails it."""
+        sock = self.sock
+        try:
+            while not done() and not conversation.closed:
+                assert sock is not None  # an open conversation: _connect opened its socket
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                sock.settimeout(remaining)
+                try:
+                    data = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    closed = SystemdError("systemd's D-Bus connection closed", "closed")
+                    conversation.fail(UNREACHABLE, closed)
+                    return
+                conversation.feed(data)
+        except OSError as e:
+            error = SystemdError(f"systemd's D-Bus connection at {self.path} failed: {e}", "closed")
+            conversation.fail(UNREACHABLE, error)
 
     def connect(self, timeout: float) -> SystemdError | None:
         """Open the connection and wait for the end of its handshake (authentication, Hello),

@@ -6,9 +6,10 @@ calls are pipelined on one connection (on the system bus at most ``WINDOW`` unan
 time) and their answers collected within one deadline; each unit gets its own ``UnitResult``.
 A call sent on a working connection but unanswered at the deadline is *pending*, not failed:
 systemd works through a connection's calls in order and will apply it; its answer, when it
-comes, lands in ``late`` (a failure there is the caller's to act on).  Bytes go in and
-out and results land in batches: the client (systemd_client.py) only moves the
-bytes and keeps the deadline.
+comes, lands in ``late``, one per call in the order they came (a failure there is the
+caller's to act on; a connection that breaks answers each call still pending UNREACHABLE).
+Bytes go in and out and results land in batches: the client (systemd_client.py) only moves
+the bytes and keeps the deadline.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Conversation:
         "hello",
         "in_flight",
         "late",
+        "late_answers",
         "name",
         "pending",
         "reader",
@@ -98,7 +100,8 @@ class Conversation:
         self.authenticated = False
         self.name: str | None = None  # our unique name on the bus, once Hello is answered
         self.in_flight: dict[int, Batch] = {}  # serial -> batch
-        self.late = Batch()  # calls left pending by their batch, and their answers as they come
+        self.late = Batch()  # calls left pending by their batch (their answers: late_answers)
+        self.late_answers: list[UnitResult] = []  # one per pending call, in the order they came
         self.batches: list[Batch] = []  # with calls not yet sent, in order
         self.pending = bytearray()  # received, not yet through authentication
         self.error: SystemdError | None = None
@@ -187,7 +190,11 @@ class Conversation:
             self.name = message.body[0] if message.body else None
             return
         unit = batch.waiting.pop(serial, None)
-        if unit is not None:
+        if unit is None:
+            return
+        if batch is self.late:  # (one unit may have several calls pending: each is told)
+            self.late_answers.append(classify(unit, message))
+        else:
             batch.results[unit] = classify(unit, message)
 
     def abandon(self, batch: Batch, outcome: str, error: SystemdError) -> None:
@@ -211,17 +218,19 @@ class Conversation:
         batch.waiting.clear()
         batch.settle(TIMEOUT, error)
 
-    def take_late(self) -> dict[str, UnitResult]:
-        """The answers to pending calls that came since the last look, by unit (a lost
-        connection answers every one still pending with UNREACHABLE)."""
-        results = self.late.results
-        self.late.results = {}
-        return results
+    def take_late(self) -> list[UnitResult]:
+        """The answers to pending calls that came since the last look, in the order they came
+        (a lost connection answers every one still pending with UNREACHABLE)."""
+        answers, self.late_answers = self.late_answers, []
+        return answers
 
     def fail(self, outcome: str, error: SystemdError) -> None:
         """The connection is unusable: every batch not yet answered gets ``outcome``."""
         self.error = error
         self.closed = True
+        lost = [self.late.waiting[serial] for serial in sorted(self.late.waiting)]
+        self.late_answers += [UnitResult(unit, outcome, error) for unit in lost]
+        self.late.waiting.clear()
         for batch in {*self.in_flight.values(), *self.batches}:
             batch.settle(outcome, error)  # (the markers _HELLO and _ABANDONED have no units)
         self.in_flight.clear()

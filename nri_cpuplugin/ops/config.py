@@ -77,6 +77,9 @@ class Settings(Value):
     # Where the daemon reaches systemd to change the cpusets of systemd-driver containers as
     # systemd keeps them (daemon/units.py): "auto", "off", or a socket path.
     systemd_bus: str = "auto"
+    # The host's root as the daemon sees it, where systemd's unit files are read (None: the
+    # directory above ``sysfs``, "/" for "/sys").
+    systemd_unit_root: str | None = None
     # Keep device interrupts off every exclusive container's CPUs (core/irq.py); pods may ask
     # for it one by one with irq-free.nri-cpuplugin.io: "true" either way.
     irq_keep_off_exclusive: bool = False
@@ -352,6 +355,12 @@ def _bus(value: Any, where: str) -> str:
     )
 
 
+def _absolute(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ConfigError(f'{where} = {value!r}: expected an absolute path, like "/host"')
+    return value
+
+
 def _path(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where} = {value!r}: expected a non-empty string")
@@ -378,6 +387,7 @@ _KEYS: dict[str, tuple[str, Check]] = {
     "nri.pin_at": ("nri_pin_at", _one_of(PIN_AT)),
     "metrics.listen": ("metrics_listen", _listen),
     "systemd.bus": ("systemd_bus", _bus),
+    "systemd.unit_root": ("systemd_unit_root", _absolute),
     "irq.keep_off_exclusive": ("irq_keep_off_exclusive", _boolean),
     "health.interval": ("health_interval", _interval),
     "kubelet.cpu_manager_state": ("kubelet_cpu_manager_state", _optional_path),

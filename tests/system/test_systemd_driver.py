@@ -8,8 +8,10 @@ the QEMU guest (tests/guest/)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +21,9 @@ from fake_systemd import FakeSystemd, PrivateBus
 from nri_messages import container, pod
 from topologies import build
 
+from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.daemon import units as units_mod
+from nri_cpuplugin.hardware.systemd_client import SystemdClient
 from nri_cpuplugin.hook import entry as hook
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
@@ -225,6 +230,156 @@ def test_a_refusal_systemd_sends_late_is_owed_to_the_runtimes_next_reply(tmp_pat
     other = pod("other")
     _, updates = plugin.create_container(other, container("app", other, 500))
     assert nginx.id not in [u.container_id for u in updates]  # owed once
+    plugin.close()
+
+
+def test_a_refusal_read_by_a_change_that_carries_its_container_is_still_owed(tmp_path, systemd):
+    """Finding 3 of issue 40: systemd's late refusal read while a change moves the container
+    again (the reply "carries" it, by writing its files) is not dropped from the owed ledger:
+    the runtime gets the container's target with its next reply that can carry updates."""
+    bus, _ = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    nginx, _ = running_shared(plugin, fake)
+    units = plugin.daemon.node.writer.units
+    refused = [nginx.id]
+    units.take_refused = lambda: [refused.pop()] if refused else []
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))  # moves nginx
+    assert nginx.id not in [u.container_id for u in updates]  # written: not this reply's
+    web = pod("web2", "burstable")
+    _, updates = plugin.create_container(web, container("php", web, 500))  # moves nobody
+    assert [(u.container_id, u.linux.resources.cpu.cpus) for u in updates] == [(nginx.id, POOL)]
+    plugin.close()
+
+
+@pytest.fixture
+def private(tmp_path) -> Iterator[tuple[str, FakeSystemd]]:
+    """The FAKE systemd on a peer-to-peer socket of its own, as systemd's /run/systemd/private
+    (what the daemon uses as root with systemd as PID 1): it can re-execute."""
+    with PrivateBus() as bus:
+        path = str(tmp_path / "systemd-private")
+        with FakeSystemd(bus, private=path) as fake:
+            yield path, fake
+
+
+def private_node(tmp_path, path: str) -> tuple[Driver, FakeV2]:
+    plugin, fake = node(tmp_path, path)
+    plugin.daemon.node.writer.units.client = SystemdClient(path, hello=False)  # (no bus: no Hello)
+    return plugin, fake
+
+
+def systemds_again(plugin: Driver, fake: FakeV2):
+    """A running shared container whose unit systemd holds the cpuset of (as after a runc
+    update): its next change is handed over."""
+    nginx, path = running_shared(plugin, fake)
+    plugin.daemon.node.writer.units.forget(nginx.id)
+    return nginx, path
+
+
+def test_a_reexec_that_breaks_the_connection_is_got_over_at_once(tmp_path, private):
+    """Finding 5 of issue 40: systemd re-executes (its connections closed): the next change's
+    send finds a broken pipe, and the daemon connects again and hands the unit over within
+    the same change, instead of leaving it to the runtime's next event."""
+    path, fake_systemd = private
+    plugin, fake = private_node(tmp_path, path)
+    nginx, _ = systemds_again(plugin, fake)
+    fake_systemd.reexec()
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))
+    assert list(updates) == []  # not the runtime's
+    calls = calls_for(fake_systemd, nginx)
+    assert cpus_of(calls[-2]) == set(range(48)) - {1, 25} and calls[-1] == RELEASE
+    seen = len(fake_systemd.calls()) - 2
+    assert fake_systemd.holds(f"cri-containerd-{nginx.id}.scope", set(range(48)), seen) is None
+    assert plugin.records.of("systemd") == []
+    plugin.close()
+
+
+def test_calls_lost_in_a_reexec_are_sent_again_with_the_cpuset_of_now(tmp_path, private):
+    """Findings 1 and 5 of issue 40: a unit's set and release wait unread when systemd
+    re-executes, and the pool changes again before anyone knows: the unit is sent its cpuset
+    of now, then released - never the lost one - and systemd holds none for it after."""
+    path, fake_systemd = private
+    plugin, fake = private_node(tmp_path, path)
+    nginx, path = systemds_again(plugin, fake)
+    unit = f"cri-containerd-{nginx.id}.scope"
+    seen = len(fake_systemd.calls())
+    fake_systemd.hold()
+    db = pod("db")
+    _, updates = plugin.create_container(db, container("pg", db, 2000))  # pending: unread
+    assert list(updates) == []
+    fake_systemd.reexec()  # those calls are lost
+    now = "0,3-24,27-47"  # once CPUs 2 and 26 are exclusive too
+    (fake.root / path / "cpuset.cpus.effective").write_text(now)  # (the kernel's answer)
+    db2 = pod("db2")
+    _, updates = plugin.create_container(db2, container("pg2", db2, 2000))
+    assert list(updates) == []
+    applied = [c for c in fake_systemd.calls()[seen:] if c["unit"] == unit]
+    assert [cpus_of(c["properties"]) if c["properties"] != RELEASE else None for c in applied] == [
+        set(CPUSet.parse(now)),
+        None,
+    ]
+    assert fake_systemd.holds(unit, set(range(48)), seen) is None  # a reload: nothing back
+    plugin.close()
+
+
+def test_a_lost_release_is_finished_by_the_follow_up_without_any_change(tmp_path, private):
+    """Finding 2 of issue 40: the last change a unit gets is lost with its connection, and no
+    change comes after: the follow-up the daemon schedules (its timer, on its loop) finds the
+    loss and hands the unit over."""
+    path, fake_systemd = private
+    plugin, fake = private_node(tmp_path, path)
+    nginx, _ = systemds_again(plugin, fake)  # (as after a runc update: systemd holds 0-47)
+    unit = f"cri-containerd-{nginx.id}.scope"
+    seen = len(fake_systemd.calls())
+    fake_systemd.hold()
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))
+    fake_systemd.reexec()
+    # a daemon-reload now would put the scope back on 0-47, the new exclusive CPUs with them
+    assert fake_systemd.holds(unit, set(range(48)), seen) == set(range(48))
+    plugin.run(asyncio.sleep(units_mod.FOLLOW_UP[0] * 3))  # the loop runs: its timer fires
+    plugin.settle()
+    assert fake_systemd.holds(unit, set(range(48)), seen) is None
+    assert cpus_of(calls_for(fake_systemd, nginx)[-2]) == set(range(48)) - {1, 25}
+    plugin.close()
+
+
+def test_unit_files_not_seen_fail_safe(tmp_path, systemd):
+    """Finding 4 of issue 40: systemd's unit files are not where the daemon looks (derived
+    from ``sysfs``, whose machine root has no /run): every scope is asked of systemd (set,
+    then released), never taken as bare, and that is said once."""
+    bus, fake_systemd = systemd
+    plugin, fake = node(tmp_path, bus.socket)
+    web = pod("web", "burstable")
+    php = container("php", web, 500)
+    scope(fake, php, "kubepods-burstable-podweb.slice", effective=POOL, held=False)
+    shutil.rmtree(fake.root.parent.parent.parent / "run")  # the machine's /run not seen
+    plugin.create_container(web, php)
+    plugin.start_container(web, php)
+    assert calls_for(fake_systemd, php)[-1] == RELEASE  # asked, not taken as bare
+    [warning] = plugin.records.of("systemd")
+    assert warning["REASON"] == "unit-files" and "systemd.unit_root" in warning["MESSAGE"]
+    plugin.close()
+
+
+def test_the_unit_root_is_where_systemds_files_are_read(tmp_path, systemd):
+    """``[systemd] unit_root``: the host's root as the daemon sees it (a DaemonSet's /host)."""
+    bus, fake_systemd = systemd
+    host = tmp_path / "host"
+    plugin, fake = node(tmp_path, bus.socket, systemd_unit_root=str(host))
+    web = pod("web", "burstable")
+    nginx = container("nginx", web, 500)
+    scope(fake, nginx, "kubepods-burstable-podweb.slice", effective=POOL, held=True)
+    transient = host / "run" / "systemd" / "transient"
+    transient.mkdir(parents=True)
+    (transient / f"cri-containerd-{nginx.id}.scope").write_text("[Scope]\nDelegate=yes\n")
+    plugin.create_container(web, nginx)
+    plugin.start_container(web, nginx)
+    db = pod("db")
+    plugin.create_container(db, container("pg", db, 2000))
+    assert calls_for(fake_systemd, nginx) == []  # the host's files say: none held
+    assert plugin.records.of("systemd") == []
     plugin.close()
 
 

@@ -327,7 +327,7 @@ def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped
     assert conversation.outgoing() == b""  # the abandoned calls still fill the window
     conversation.feed(b"".join(_reply(call, 1000 + call.serial) for call in late_calls))
     assert {r.outcome for r in slow.results.values()} == {su.TIMEOUT}  # unchanged
-    assert conversation.take_late() == {}  # abandoned, not pending: nobody asks
+    assert conversation.take_late() == []  # abandoned, not pending: nobody asks
     [call] = _calls(conversation.outgoing())
     conversation.feed(_reply(call, 5000))
     assert fresh.results["f.scope"].outcome == su.SET
@@ -353,11 +353,32 @@ def test_sent_calls_are_pending_at_the_deadline_and_their_answers_come_late() ->
     assert batch.done and conversation.outgoing() == b""  # the unsent ones are dropped
     conversation.feed(_reply(sent[1], 201) + _reply(sent[2], 202, "org.x.Error.Failed", "no"))
     late = conversation.take_late()
-    assert {u: r.outcome for u, r in late.items()} == {"s1.scope": su.SET, "s2.scope": su.FAILED}
-    assert conversation.take_late() == {}  # each told once
+    assert [(r.unit, r.outcome) for r in late] == [("s1.scope", su.SET), ("s2.scope", su.FAILED)]
+    assert conversation.take_late() == []  # each told once
     conversation.fail(su.UNREACHABLE, SystemdError("gone", "closed"))
-    lost = conversation.take_late()  # the rest were lost with the connection
-    assert len(lost) == WINDOW - 3 and {r.outcome for r in lost.values()} == {su.UNREACHABLE}
+    lost = conversation.take_late()  # the rest were lost with the connection, in order
+    assert [r.unit for r in lost] == [f"s{i}.scope" for i in range(3, WINDOW)]
+    assert {r.outcome for r in lost} == {su.UNREACHABLE}
+
+
+def test_each_pending_call_of_a_unit_gets_its_own_late_answer() -> None:
+    """A unit's set and release both pending: each is answered, in order - the set's answer
+    does not stand for the release's, nor the release's loss hide behind the set's."""
+    conversation, [hello] = _greeted()
+    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
+    batch = conversation.submit([("u.scope", {1}, None)])
+    [set_call] = _calls(conversation.outgoing())
+    conversation.leave_pending(batch, SystemdError("slow", "timeout"))
+    release = conversation.submit([("u.scope", set(), set())])
+    _calls(conversation.outgoing())
+    conversation.leave_pending(release, SystemdError("slow", "timeout"))
+    conversation.feed(_reply(set_call, 300))
+    conversation.fail(su.UNREACHABLE, SystemdError("gone", "closed"))
+    late = conversation.take_late()
+    assert [(r.unit, r.outcome) for r in late] == [
+        ("u.scope", su.SET),
+        ("u.scope", su.UNREACHABLE),
+    ]
 
 
 # --- the clients against a scripted peer ------------------------------------------------------
@@ -502,11 +523,11 @@ def test_the_blocking_client_leaves_a_slow_systemds_calls_pending(peer) -> None:
         )
         release.set()
         assert client.set_allowed([("next.scope", {1}, None)], 10)[0].outcome == su.SET
-        assert {u: r.outcome for u, r in client.take_late().items()} == {
-            "slow-1.scope": su.SET,
-            "slow-2.scope": su.SET,
-        }
-        assert client.take_late() == {}
+        assert [(r.unit, r.outcome) for r in client.take_late()] == [
+            ("slow-1.scope", su.SET),
+            ("slow-2.scope", su.SET),
+        ]
+        assert client.take_late() == []
 
 
 def test_the_blocking_client_says_why_it_cannot_connect(tmp_path) -> None:
@@ -546,24 +567,51 @@ def test_connecting_ahead_of_the_calls(peer) -> None:
 
 class ScriptedClient:
     """The edge: answers each unit with the outcome the test gives (default SET), and hands out
-    late answers as ``take_late`` would; the sets and the releases sent, batch by batch."""
+    late answers as ``take_late`` would (in the order they came); the sets and the releases
+    sent, batch by batch, and every call's (unit, cpus) in order ("" for a release).
+    ``closes``: the next batch finds its connection closed by systemd (a re-exec): every call
+    of it is unreachable, as is every call still pending."""
 
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}
         self.release_outcomes: dict[str, str] = {}
-        self.late: dict[str, su.UnitResult] = {}
+        self.late: list[su.UnitResult] = []
         self.sent: list[list[str]] = []
         self.released: list[list[str]] = []
+        self.calls: list[tuple[str, str]] = []
+        self.pending: list[str] = []  # units of calls answered PENDING, not yet answered late
+        self.closes = 0
+        self.collected = 0
 
     def set_allowed(self, changes, timeout):
         release = all(not cpus and mems is not None and not mems for _, cpus, mems in changes)
         (self.released if release else self.sent).append([unit for unit, *_ in changes])
+        if self.closes:
+            self.closes -= 1
+            closed = SystemdError("systemd's D-Bus connection failed: Broken pipe", "closed")
+            self.late += [su.UnitResult(u, su.UNREACHABLE, closed) for u in self.pending]
+            self.pending = []
+            return [su.UnitResult(u, su.UNREACHABLE, closed) for u, *_ in changes]
+        self.calls += [(u, str(CPUSet(cpus))) for u, cpus, _ in changes]
         outcomes = {**self.outcomes, **self.release_outcomes} if release else self.outcomes
-        return [su.UnitResult(u, outcomes.get(u, su.SET)) for u, *_ in changes]
+        results = [su.UnitResult(u, outcomes.get(u, su.SET)) for u, *_ in changes]
+        self.pending += [r.unit for r in results if r.outcome == su.PENDING]
+        return results
+
+    def answer_late(self, outcome: str = su.SET, **errors: str) -> None:
+        """systemd answers every pending call: ``outcome``, or an error for some units."""
+        for unit in self.pending:
+            said = errors.get(unit, outcome)
+            error = None if said == su.SET else SystemdError(said, said)
+            self.late.append(su.UnitResult(unit, said, error))
+        self.pending = []
 
     def take_late(self):
-        late, self.late = self.late, {}
+        late, self.late = self.late, []
         return late
+
+    def collect(self, timeout):
+        self.collected += 1
 
     def close(self) -> None:
         pass
@@ -630,58 +678,154 @@ def test_a_refused_set_is_not_released_and_a_refused_release_is_tried_again(tmp_
     assert len(client.released) == 2
 
 
-def test_pending_units_are_not_the_runtimes_and_lost_ones_are_sent_again(tmp_path) -> None:
+A, B, C = (f"cri-containerd-{c}.scope" for c in "abc")
+
+
+def _calls_for(client: ScriptedClient, unit: str) -> list[str]:
+    """The cpusets asked of systemd for ``unit``, in order ("": a release)."""
+    return [cpus for u, cpus in client.calls if u == unit]
+
+
+def test_pending_units_are_not_the_runtimes_and_are_handed_over_once_answered(tmp_path) -> None:
+    units, client = _units(_scopes(tmp_path, "ab"))
+    client.outcomes = {A: su.PENDING, B: su.PENDING}
+    assert units.set_cpus([_target("a"), _target("b")]) == []  # pending: systemd's to apply
+    assert client.released == [[A, B]]  # released behind the sets: systemd applies in order
+    client.outcomes = {}
+    client.answer_late()
+    units.set_cpus([_target("a", "0-2"), _target("b", "0-2")])  # answered: both bare
+    assert client.sent == [[A, B]] and units.take_refused() == []
+
+
+def test_a_pending_release_leaves_the_unit_systemds_until_it_is_answered(tmp_path) -> None:
+    """Finding 1 of issue 40: a unit is bare only once systemd confirmed its release; until
+    then every change to it is asked of systemd too."""
+    units, client = _units(_scopes(tmp_path, "a"))
+    client.release_outcomes = {A: su.PENDING}
+    assert units.set_cpus([_target("a", "0-3")]) == []
+    assert units.set_cpus([_target("a", "0-2")]) == []  # its release unanswered: asked again
+    assert _calls_for(client, A) == ["0-3", "", "0-2", ""]
+    client.release_outcomes = {}
+    client.answer_late()
+    units.set_cpus([_target("a", "0-1")])  # both releases confirmed: bare now
+    assert _calls_for(client, A) == ["0-3", "", "0-2", ""]
+
+
+def test_calls_lost_with_the_connection_are_sent_again_at_once_with_the_current_cpuset(
+    tmp_path,
+) -> None:
+    """Findings 1, 2 and 5 of issue 40: systemd re-executes with a unit's set and release
+    unread, and the pool changed twice since they were sent.  The loss is found at the next
+    batch (a broken pipe): the connection is opened again and the unit is sent its cpuset of
+    now, then released, in that batch; nothing is left to the runtime."""
     records: list[dict] = []
-    units, client = _units(_scopes(tmp_path, "abcdef"), records)
-    client.outcomes = {"cri-containerd-a.scope": su.PENDING, "cri-containerd-b.scope": su.PENDING}
-    assert units.set_cpus([_target("a"), _target("b")]) == []  # pending: nothing to hand over
-    # a's answer came (set); b's call was lost with the connection: b goes again, once, and
-    # is not bare (its release may be lost too)
-    client.late = {
-        "cri-containerd-a.scope": su.UnitResult("cri-containerd-a.scope", su.SET),
-        "cri-containerd-b.scope": su.UnitResult(
-            "cri-containerd-b.scope", su.UNREACHABLE, SystemdError("closed", "closed")
-        ),
-    }
-    client.outcomes = {}
-    assert units.set_cpus([_target("c")]) == []
-    assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-b.scope"]
-    assert client.released[-1] == ["cri-containerd-c.scope"]
-    assert units.set_cpus([_target("d")]) == [] and client.sent[-1] == ["cri-containerd-d.scope"]
-    units.set_cpus([_target("a"), _target("b")])  # a is bare; b is handed over now
-    assert client.sent[-1] == client.released[-1] == ["cri-containerd-b.scope"]
+    units, client = _units(_scopes(tmp_path, "abc"), records)
+    client.outcomes = {A: su.PENDING}
+    client.release_outcomes = {A: su.PENDING}
+    units.set_cpus([_target("a", "0-3")])
+    units.set_cpus([_target("a", "0-2")])
+    client.outcomes = client.release_outcomes = {}
+    units.set_cpus([_target("b", "0-1")])  # a's calls still unanswered: not asked, not lost
+    client.closes = 1  # daemon-reexec: the connection closed, its unread calls gone
+    assert units.set_cpus([_target("c", "0-1")]) == []
+    assert _calls_for(client, A) == ["0-3", "", "0-2", "", "0-2", ""]
+    assert _calls_for(client, C) == ["0-1", ""]
+    units.set_cpus([_target("a", "1"), _target("c", "1")])  # both handed over: bare
+    assert _calls_for(client, A)[-1] == "" and _calls_for(client, C) == ["0-1", ""]
     assert units.take_refused() == []
-    # a late refusal is logged (once), not sent again, and handed to the runtime
-    client.outcomes = {"cri-containerd-e.scope": su.PENDING}
-    units.set_cpus([_target("e")])
-    client.late = {
-        "cri-containerd-e.scope": su.UnitResult(
-            "cri-containerd-e.scope", su.DENIED, SystemdError("refused", "denied")
-        )
-    }
-    client.outcomes = {}
-    units.set_cpus([_target("f")])
-    assert client.sent[-1] == ["cri-containerd-f.scope"]
+    assert [r["REASON"] for r in records] == []  # a re-exec that was got over is no failure
+
+
+def test_a_lost_release_is_sent_again_even_with_no_further_change(tmp_path) -> None:
+    """Finding 2 of issue 40: the last change a unit gets leaves its release pending, and the
+    connection is lost.  The follow-up (``finish``, on a timer) reads the loss and finishes
+    the hand-over; no change to any container is needed."""
+    units, client = _units(_scopes(tmp_path, "a"))
+    woken: list[float] = []
+    units.wake = lambda delay: woken.append(delay) or True
+    client.release_outcomes = {A: su.PENDING}
+    units.set_cpus([_target("a", "0-3")])
+    assert len(woken) == 1  # something is left to finish: a follow-up is due
+    client.release_outcomes = {}
+    client.late = [su.UnitResult(A, su.UNREACHABLE, SystemdError("closed", "closed"))]
+    client.pending = []
+    assert units.finish() == []
+    assert _calls_for(client, A) == ["0-3", "", "0-3", ""] and client.collected == 1
+    assert len(woken) == 1  # handed over: nothing more to follow up
+
+
+def test_the_follow_up_backs_off_and_ends(tmp_path) -> None:
+    """Finding 5 of issue 40: a systemd that stays unreachable after a re-exec is tried again
+    off the request path, ever less often (bounded), until it answers."""
+    units, client = _units(_scopes(tmp_path, "a"))
+    woken: list[float] = []
+    units.wake = lambda delay: woken.append(delay) or True
+    client.closes = 100
+    assert units.set_cpus([_target("a")]) == ["a"]  # the runtime's meanwhile, as before
+    for _ in range(10):
+        units.finish()
+    assert woken == sorted(woken) and woken[0] <= 0.5 and woken[-1] <= 10
+    assert len(woken) == 11
+    client.closes = 0
+    units.finish()
+    assert _calls_for(client, A)[-2:] == ["0-3", ""] and len(woken) == 11
+
+
+def test_a_late_refusal_makes_the_unit_asked_again_by_the_change_that_reads_it(tmp_path) -> None:
+    """Finding 3 of issue 40: a refusal read by the very batch that changes the unit again is
+    not handed to the runtime as carried by that batch while the unit is skipped as bare: the
+    unit is asked again, with its new cpuset."""
+    records: list[dict] = []
+    units, client = _units(_scopes(tmp_path, "ab"), records)
+    client.release_outcomes = {A: su.PENDING}
+    units.set_cpus([_target("a", "0-3")])
+    client.release_outcomes = {}
+    client.answer_late(su.DENIED)  # the release refused, late
+    assert units.set_cpus([_target("a", "0-2")]) == []
+    assert _calls_for(client, A) == ["0-3", "", "0-2", ""]
+    assert units.take_refused() == []  # asked again (and taken): nothing for the runtime
     [warning] = [r for r in records if r.get("REASON") == "late-denied"]
     assert "after the daemon had moved on" in warning["MESSAGE"]
-    assert units.take_refused() == ["e"] and units.take_refused() == []
-    units.set_cpus([_target("e", "0-1")])  # not bare: asked again
-    assert client.sent[-1] == ["cri-containerd-e.scope"]
+    # one that no change reads again is the runtime's, told once; the unit is asked again
+    client.outcomes = {B: su.PENDING}
+    units.set_cpus([_target("b")])
+    client.outcomes = {}
+    client.answer_late(su.FAILED)
+    units.set_cpus([_target("a", "0-1")])
+    assert units.take_refused() == ["b"] and units.take_refused() == []
+    units.set_cpus([_target("b", "0-1")])
+    assert _calls_for(client, B) == ["0-3", "", "0-1", ""]
 
 
 def test_a_resent_call_that_fails_again_is_the_runtimes_and_a_late_gone_is_nobodys(
     tmp_path,
 ) -> None:
     units, client = _units(_scopes(tmp_path, "abc"))
-    client.outcomes = {f"cri-containerd-{c}.scope": su.PENDING for c in "ab"}
+    client.outcomes = {A: su.PENDING, B: su.PENDING}
     assert units.set_cpus([_target("a"), _target("b")]) == []
-    lost = su.UnitResult("cri-containerd-a.scope", su.UNREACHABLE, SystemdError("closed", "x"))
-    gone = su.UnitResult("cri-containerd-b.scope", su.GONE, SystemdError("NoSuchUnit", "x"))
-    client.late = {"cri-containerd-a.scope": lost, "cri-containerd-b.scope": gone}
-    client.outcomes = {"cri-containerd-a.scope": su.UNREACHABLE}
-    assert units.set_cpus([_target("c")]) == []  # c was set; a, sent again, failed again
-    assert client.sent[-1] == ["cri-containerd-c.scope", "cri-containerd-a.scope"]
+    client.outcomes = {}
+    client.pending = []
+    lost = su.UnitResult(A, su.UNREACHABLE, SystemdError("cannot connect", "unreachable"))
+    gone = su.UnitResult(B, su.GONE, SystemdError("NoSuchUnit", "gone"))
+    client.late = [lost, lost, gone, gone]
+    client.outcomes = {A: su.DENIED}
+    assert units.set_cpus([_target("c")]) == []  # c was set; a, sent again, was refused
+    assert client.sent[-1] == [C, A]
     assert units.take_refused() == ["a"]  # b's container is gone: nothing to apply
+
+
+def test_unit_files_that_cannot_be_seen_fail_safe_and_say_so(tmp_path) -> None:
+    """Finding 4 of issue 40: no systemd unit files where the daemon looks (the host's /run
+    not mounted, say): every unit is taken as holding a cpuset (set, then released), never
+    as bare, and that is said once."""
+    records: list[dict] = []
+    units, client = _units(str(tmp_path / "no-host-root"), records)
+    assert units.set_cpus([_target("a"), _target("b")]) == []
+    assert client.sent == client.released == [[A, B]]
+    [warning] = [r for r in records if r.get("REASON") == "unit-files"]
+    assert "systemd.unit_root" in warning["MESSAGE"] and "no-host-root" in warning["MESSAGE"]
+    units.set_cpus([_target("c")])
+    assert len([r for r in records if r.get("REASON") == "unit-files"]) == 1
 
 
 # --- what systemd holds for a unit (hardware/unit_config.py) ----------------------------------
@@ -699,7 +843,8 @@ T = f"run/systemd/transient/{UNIT}"
 @pytest.mark.parametrize(
     ("files", "held"),
     [
-        ({}, False),  # no such unit's files: nothing held
+        ({}, None),  # no unit file: not seen (runc's scopes are transient units, all with one)
+        ({"run/systemd/transient/other.scope": ""}, None),
         ({T: "[Scope]\nDelegate=yes\n"}, False),
         ({T: "[Scope]\nAllowedCPUs=0-3\n"}, True),
         (
