@@ -51,6 +51,8 @@ STATUS_ROWS = {
     "production node: systemd cgroup driver, cgroup v2, SMT, NUMA (QEMU guest)": [
         "Guest node (systemd driver, cgroup v2)"
     ],
+    "requests under interrupt load": ["Requests under interrupt load"],
+    "deployment: image and DaemonSet": [],
 }
 
 NUMBER = r"\d+(?:\.\d+)?"
