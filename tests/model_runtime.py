@@ -43,6 +43,7 @@ from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.core.workload import CONTAINER_TYPE
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.daemon.service import Daemon
+from nri_cpuplugin.daemon.units import SystemdUnits
 from nri_cpuplugin.hardware import cpusets, hotplug
 from nri_cpuplugin.hardware.liveness import cgroup_path, pod_cgroup_path
 from nri_cpuplugin.nri.handlers import EVENT_BITS, event_mask
@@ -109,7 +110,9 @@ class Host:
         self.daemon = self._make()
 
     def _make(self) -> Daemon:
-        daemon = Daemon(self.settings, Audit(self.records), units=self.units)
+        # (a factory makes the units of each daemon: a restarted one starts with none known)
+        units = self.units() if callable(self.units) else self.units
+        daemon = Daemon(self.settings, Audit(self.records), units=units)
         daemon.hotplug = NoUevents()  # type: ignore[assignment]
         daemon.stub = Subscription(daemon.adapter)
         daemon.node.later = self._later
@@ -257,6 +260,15 @@ class FakeSystemd:
     def set_allowed(self, path: str, cpus: CPUSet) -> None:
         self.allowed[path] = cpus
         self.cgroups.write("systemd", path, cpus=cpus)
+
+    def created(self, path: str, cpus: CPUSet | None) -> None:
+        """runc made the container's scope, with the spec's cpuset (or none)."""
+        if cpus:
+            self.allowed[path] = cpus
+
+    def keep(self, path: str, cpus: CPUSet) -> None:
+        """runc update: the scope's AllowedCPUs set (runc writes the files after)."""
+        self.allowed[path] = cpus
 
     def forget(self, path: str) -> None:
         self.allowed.pop(path, None)
@@ -469,7 +481,7 @@ class Runtime:
         cpus = cpus_of(cpu)
         quota = cpu.quota.value if cpu.HasField("quota") and cpu.quota.value else None
         if ctr.pod.driver == "systemd" and cpus:
-            self.systemd.allowed[ctr.path] = cpus
+            self.systemd.keep(ctr.path, cpus)
         self.cgroups.write("runtime", ctr.path, cpus=cpus, mems=cpu.mems or None, quota=quota)
 
     # --- pods ---------------------------------------------------------------------------------
@@ -542,8 +554,8 @@ class Runtime:
         quota = cpu.quota.value if cpu.HasField("quota") and cpu.quota.value else -1
         self.cgroups.mk(ctr.path, cpus=cpus, mems=cpu.mems or None, procs="4242", quota=quota,
                         shares=cpu.shares.value)  # fmt: skip
-        if ctr.pod.driver == "systemd" and cpus:
-            self.systemd.allowed[ctr.path] = cpus
+        if ctr.pod.driver == "systemd":
+            self.systemd.created(ctr.path, cpus)
         if made is not None:
             made(ctr)
         if self.host.subscribed("start_container"):
@@ -700,16 +712,21 @@ def cpu_event(machine: Machine, cpu: int, online: bool) -> ev.CPUsChanged:
 
 class ModelNode:
     """The whole FAKE node in one: machine, systemd, the daemon's process and containerd.
-    ``driver``: "cgroupfs" or "systemd"; ``units``: the daemon reaches systemd (FakeUnits) or
-    not (the runtime applies the systemd driver's cpusets from the replies)."""
+    ``driver``: "cgroupfs" or "systemd"; ``units``: the daemon reaches systemd (FakeUnits),
+    "dbus": through its real ``SystemdUnits`` on FAKE D-Bus (tests/model_dbus.py), or not
+    (the runtime applies the systemd driver's cpusets from the replies)."""
 
-    def __init__(self, base: Path, driver: str = "cgroupfs", units: bool = False,
+    def __init__(self, base: Path, driver: str = "cgroupfs", units: bool | str = False,
                  pin_at: str = "create", budget: float = 1.5, records: Records | None = None,
                  ) -> None:  # fmt: skip
         self.driver = driver
         self.machine = Machine(Path(base))
         self.cgroups = self.machine.cgroups
         self.systemd = FakeSystemd(self.cgroups)
+        if units == "dbus":
+            from model_dbus import DBusSystemd  # (it builds on FakeSystemd, above)
+
+            self.systemd = DBusSystemd(self.cgroups, Path(base) / "host")
         self.records = Records() if records is None else records
         self.stall = Stall()
         self.settings = Settings(
@@ -721,10 +738,22 @@ class ModelNode:
             nic_read_ahead=False,
             systemd_bus="off",
         )
-        units_ = FakeUnits(self.systemd) if units else None
+        units_: Any = FakeUnits(self.systemd) if units else None
+        if units == "dbus":
+            units_ = self.dbus_units
         self.host = Host(self.settings, self.records, units_, str(self.machine.proc), self.stall)
         self.runtime = Runtime(self.host, self.machine, self.systemd)
         self.runtime.reconnect()
+
+    def dbus_units(self) -> SystemdUnits:
+        """The daemon's own units (daemon/units.py) on FAKE D-Bus; its follow-ups are timers."""
+        from model_dbus import DBusSystemd, ModelClient
+
+        assert isinstance(self.systemd, DBusSystemd)
+        units = SystemdUnits(Audit(self.records), "/nonexistent", str(self.systemd.root))
+        units.client = ModelClient(self.systemd)  # type: ignore[assignment]
+        units.wake = lambda delay: self.host._later(delay, ev.FinishHandOver())
+        return units
 
     @property
     def state(self) -> Any:

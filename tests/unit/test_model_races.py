@@ -17,7 +17,11 @@ kubelet, systemd and the kernel (tests/model_runtime.py) through random interlea
   within the budget, the late work settling afterwards;
 * both cgroup drivers: cgroupfs, and systemd with the daemon's FAKE ``Units`` or without
   (``units=None``: the runtime applies those cpusets from the replies); pinning at creation or
-  at start.
+  at start;
+* ``DBusNodeModel``: the systemd driver with the daemon's own ``SystemdUnits`` on FAKE D-Bus
+  (tests/model_dbus.py), and systemd's faults: busy (calls pending), late answers, a re-exec
+  that loses the calls not read yet and re-applies every unit, unit files hidden from the
+  daemon (issue 40).
 
 After every step, once the late work has settled, the invariants hold:
 
@@ -32,7 +36,8 @@ After every step, once the late work has settled, the invariants hold:
 6. an earmark never splits a physical core that a whole-core choice from the same CPUs would
    keep whole.
 
-Size: ``NRI_MODEL_EXAMPLES`` schedules (default 50) of ``NRI_MODEL_STEPS`` steps (default 40);
+Size: ``NRI_MODEL_EXAMPLES`` schedules (default 50; three times as many for
+``DBusNodeModel``) of ``NRI_MODEL_STEPS`` steps (default 40);
 derandomized, no example database.  ``NRI_MODEL_EXAMPLES=500 ./dev unit -k model_races`` runs
 a longer search.  Deterministic: a request's budget runs out exactly when the worker is stuck
 on a stalled disk or lock, never by the clock (tests/model_stall.py), so each schedule runs
@@ -86,14 +91,16 @@ MAX_PODS = 5
 STALLED_CALLS = 3  # requests made while the disk or the lock is stalled, at most
 HOTPLUG = (3, 5, 11)  # CPUs that may go offline (5 and 11: one core); at most two at once
 
-# (driver, the daemon has systemd (Units), pin_at)
-CONFIGS = [
+# (driver, the daemon has systemd (Units; "dbus": its own SystemdUnits on FAKE D-Bus), pin_at)
+CONFIGS: list[tuple[str, bool | str, str]] = [
     ("cgroupfs", False, "create"),
     ("systemd", True, "create"),
     ("systemd", False, "create"),
     ("cgroupfs", False, "start"),
     ("systemd", True, "start"),
 ]
+# The daemon's own SystemdUnits on FAKE D-Bus, with systemd's faults (``DBusNodeModel``)
+DBUS_CONFIGS: list[tuple[str, bool | str, str]] = [("systemd", "dbus", "create")]
 
 
 def build_pod(kind: str, name: str, driver: str) -> Pod:
@@ -160,7 +167,7 @@ class NodeModel(RuleBasedStateMachine):
         config=st.sampled_from(CONFIGS),
         kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=MAX_PODS),
     )
-    def boot(self, config: tuple[str, bool, str], kinds: list[str]) -> None:
+    def boot(self, config: tuple[str, bool | str, str], kinds: list[str]) -> None:
         driver, systemd, pin_at = config
         self.driver, self.units = driver, systemd
         self.node = ModelNode(self.base, driver, systemd, pin_at, BUDGET, self.records)
@@ -288,6 +295,9 @@ class NodeModel(RuleBasedStateMachine):
         elif what == "hotplug":
             self.hotplug(data.draw(st.sampled_from(HOTPLUG), label="cpu"))
         elif self.driver == "systemd" and what == "daemon-reload":
+            if self.units == "dbus" and self.systemd.busy:  # (it works through its calls first)
+                self.say(f"systemd answers {self.systemd.answer()} calls late")
+                self.timers()
             self.say(f"daemon-reload: {len(self.systemd.daemon_reload())} cgroups written")
         elif self.units and what == "systemd" and self.running():
             ctr = data.draw(st.sampled_from(self.running()), label="container")
@@ -560,6 +570,69 @@ def earmark_splits(policy, before: NodeState | None, after: NodeState, pinned: C
     return problems
 
 
+class DBusNodeModel(NodeModel):
+    """The same node with the systemd driver and the daemon's own ``SystemdUnits`` (daemon/
+    units.py) on FAKE D-Bus (tests/model_dbus.py), and systemd's faults besides: busy, late
+    answers and refusals, re-executions that lose the calls not read yet, unit files hidden
+    (issue 40).  A separate machine, so that NodeModel's schedules stay what they were; the
+    disk and the lock never stall here (NodeModel covers them), which keeps its steps for
+    systemd's faults."""
+
+    def stall(self, what: str, data: st.DataObject) -> None:  # (no rule here: see above)
+        raise AssertionError("no stalls in this machine")
+
+    def owed_unwritable(self, ctr: Ctr) -> bool:
+        """As NodeModel's, and: a container whose own update the runtime has yet to apply (it
+        does right after the call returns, docs/nri-wire.md §11.3, which the model defers to a
+        later step) - a re-exec meanwhile puts back what systemd held, which that update
+        replaces; the daemon gave the container to the runtime."""
+        return ctr.pending is not None or super().owed_unwritable(ctr)
+
+    @precondition(lambda self: self.host is not None and self.systemd.queue)
+    @rule()
+    def reexec_with_calls_unread(self) -> None:
+        """systemd re-executes while calls wait unread (the case that loses them)."""
+        self.systemd_fault("reexec")
+
+    @initialize(
+        config=st.sampled_from(DBUS_CONFIGS),
+        kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=MAX_PODS),
+        busy=st.booleans(),
+    )
+    def boot(self, config: tuple[str, bool | str, str], kinds: list[str], busy: bool) -> None:
+        """As NodeModel's, and systemd may be busy from the start (its calls pending, then
+        lost or answered late, are what its faults are about)."""
+        super().boot(config, kinds)
+        self.systemd.busy = busy
+
+    @precondition(lambda self: self.host is not None)
+    @rule(what=st.sampled_from(["busy", "answer", "reexec", "hide", "show"]))
+    def systemd_fault(self, what: str) -> None:
+        """systemd reached over FAKE D-Bus (tests/model_dbus.py) gets busy (calls queue,
+        pending), answers what it had not read (refusals among them, late), re-executes (the
+        unread calls lost, every unit re-applied to its cgroup), or its unit files are hidden
+        from the daemon, or shown again (a scope refusing: NodeModel's "systemd" event).
+        After an answer or a re-exec the daemon's timers come due - its follow-up, 0.2 s
+        later, before anything else happens (what it cannot know of before, no daemon can
+        act on)."""
+        systemd = self.systemd
+        if what == "busy":
+            systemd.busy = True
+            self.say("systemd busy")
+        elif what in ("answer", "reexec"):
+            if what == "answer":
+                self.say(f"systemd answers {systemd.answer()} calls late")
+            else:
+                lost = len(systemd.queue)
+                self.say(f"systemd re-executes: {lost} calls lost, {len(systemd.reexec())} "
+                         "cgroups written")  # fmt: skip
+            if not self.stalled:
+                self.timers()
+        else:
+            systemd.hide(what == "hide")
+            self.say(f"systemd's unit files {'hidden' if systemd.hidden else 'shown'}")
+
+
 NodeModel.TestCase.settings = settings(
     max_examples=EXAMPLES,
     phases=tuple(Phase) if os.environ.get("NRI_MODEL_SHRINK", "1") == "1" else [Phase.generate],
@@ -571,3 +644,6 @@ NodeModel.TestCase.settings = settings(
     print_blob=False,
 )
 TestNodeModel = NodeModel.TestCase
+# Three times as many schedules: a fault must meet calls in flight to matter (~30 s for 150).
+DBusNodeModel.TestCase.settings = settings(NodeModel.TestCase.settings, max_examples=EXAMPLES * 3)
+TestDBusNodeModel = DBusNodeModel.TestCase
