@@ -398,7 +398,7 @@ def test_deep_variants_are_refused() -> None:
         _read(data)
 
 
-@settings(max_examples=500, deadline=1000)
+@settings(max_examples=500)
 @given(st.data())
 def test_corrupted_messages_fail_cleanly(data: st.DataObject) -> None:
     raw = bytearray(GOOD)
@@ -408,7 +408,7 @@ def test_corrupted_messages_fail_cleanly(data: st.DataObject) -> None:
         _read(bytes(raw))
 
 
-@settings(max_examples=300, deadline=1000)
+@settings(max_examples=300)
 @given(st.binary(min_size=16, max_size=200))
 def test_random_bytes_fail_cleanly(raw: bytes) -> None:
     with contextlib.suppress(DBusWireError):
