@@ -4,8 +4,10 @@ cgroups and network namespaces), ``e2e`` (tests/e2e, marked by its own conftest)
 (tests/guest: the QEMU guest node, harness/guest.py).
 
 The guest tests run after all the others: the guest keeps both host CPUs busy, and the host
-tests measure timings that must not share them.  Its session fixture boots the guest only when
-the first of them starts, so a run without guest tests never boots it.
+tests measure timings that must not share them.  Those on the trixie guest come last, so that
+the bookworm guest is booted once and powered off before the trixie one boots.  Its session
+fixture boots the guest only when the first of them starts, so a run without guest tests never
+boots it.
 """
 
 from __future__ import annotations
@@ -45,4 +47,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if _in(folder, item):
                 item.add_marker(mark)
     # Stable: each group keeps its own order.
-    items.sort(key=lambda item: _in(GUEST, item))
+    items.sort(key=lambda item: (_in(GUEST, item), _on_trixie(item)))
+
+
+def _on_trixie(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("guest") == "trixie"

@@ -4,7 +4,11 @@ runtimes on the systemd cgroup driver.
 
 * ``guest`` (session) - booted when the first test that needs it starts (the image is built
   first if it is not cached), powered off at the end of the session.  One boot serves every
-  guest test: a boot takes about a minute under emulation.
+  guest test: a boot takes about a minute under emulation.  Bookworm's unless a test names
+  trixie's (``ON_BOTH``: ``pytest.mark.parametrize("guest", ON_BOTH, indirect=True)``); the
+  root conftest puts the trixie tests last, and pytest powers the bookworm guest off before it
+  boots the trixie one (a session fixture is set up again when its parameter changes), so one
+  guest runs at a time and each boots once.
 * ``node`` (session) - the guest as a Kubernetes node (harness/guest_node.py).
 * ``runtime_name`` / ``on_runtime`` - the node's runtime for one test: its pods are removed and
   the daemon stopped after the test, whatever happened.
@@ -24,15 +28,31 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from harness import guest_runtimes, guest_vm
+from harness import guest_image, guest_runtimes, guest_vm
 from harness.guest import Guest
 from harness.guest_node import DAEMON_UNIT, GuestNode
 from harness.guest_runtimes import GuestRuntime
 
 RUNTIMES = ("containerd-2.3", "containerd-1.7", "crio")
 SCENARIO_RUNTIME = "containerd-2.3"  # test_pinning.py's and test_irq.py's runtime
+# The ``guest`` fixture's parameter: its suite.  Bookworm's is None, as for the tests that do
+# not parametrize it, so that both share one boot (pytest keeps a session fixture while the
+# parameter it is asked for equals the cached one: None for an unparametrized request).
+SUITE_PARAM = {"bookworm": None, "trixie": "trixie"}
+
+
+def on_guest(suite: str, *values: object) -> Any:
+    """One case of ``parametrize(("guest", ...), [...], indirect=["guest"], scope="session")``:
+    the guest of ``suite`` and the other arguments' ``values``.  ``scope="session"`` is needed:
+    with direct arguments beside the indirect one pytest takes the test's scope, and powers the
+    guest off after the test when that test booted it."""
+    return pytest.param(SUITE_PARAM[suite], *values, id="-".join(map(str, (suite, *values))))
+
+
+ON_BOTH = (on_guest("bookworm"), on_guest("trixie"))
 
 # The session's guest and node, for the failure reports below (fixtures are not reachable
 # from a report hook).
@@ -59,7 +79,8 @@ def _say(config: pytest.Config, text: str) -> None:
 def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
     if os.geteuid() != 0:
         pytest.fail("the guest node needs root (QEMU, debootstrap, 9p shares)", pytrace=False)
-    say = lambda text: _say(request.config, text)  # noqa: E731
+    recipe = guest_image.RECIPES[getattr(request, "param", None) or "bookworm"]
+    say = lambda text: _say(request.config, f"{recipe.suite}: {text}")  # noqa: E731
     error = None
     try:
         if stale := guest_vm.reap_stale():
@@ -72,7 +93,7 @@ def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
         error = f"preparing the guest node's lab failed: {e}"
     if error:
         pytest.fail(error, pytrace=False)
-    boot = Guest.boot(log=say)
+    boot = Guest.boot(log=say, recipe=recipe)
     try:
         booted = boot.__enter__()
     except Exception as e:

@@ -19,7 +19,7 @@ from harness.guest_kubelet import CGROUP_ROOT, SystemdError, SystemdKubelet, uni
 from harness.host import parse_cpu_list
 from harness.k8s import PodSpec
 
-from guest.scenarios import FIRST_LINE, _first_line, _read, container_facts
+from guest.scenarios import FIRST_LINE, _first_line, _read, container_facts, unit_dir
 
 DAEMON_UNIT = "nri-cpuplugin.service"
 
@@ -272,7 +272,7 @@ def churn_under_reloads(
         pinned_first = _first_line(cri, pinned["app"])
         pinned_dir = scope_dir(cri, pinned["app"])
         watch.exclusive[pinned["app"]] = pinned_dir
-        pinned_scope = pinned_dir.name
+        pinned_scope = unit_dir(pinned_dir).name
 
         def run(name: str, spec: ContainerSpec) -> Any:
             """A pod start, tried again once when systemd was away: runc's StartTransientUnit

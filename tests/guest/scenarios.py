@@ -6,6 +6,7 @@ on the host to judge.  Nothing here asserts: a wrong value comes back as it is.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ def node() -> dict[str, Any]:
         "burstable_controllers": _read(
             kubepods / "kubepods-burstable.slice" / "cgroup.controllers"
         ).split(),
+        "kernel_release": os.uname().release,
         "systemd_version": subprocess.run(
             ["systemctl", "--version"], capture_output=True, text=True, check=False
         ).stdout.split("\n")[0],
@@ -68,6 +70,15 @@ def _fs_type(path: Path) -> str:
     return "<not a mount point>"
 
 
+def unit_dir(directory: Path) -> Path:
+    """The cgroup of the systemd unit a container's cgroup is in: the cgroup itself for runc's
+    scopes; its parent for crun's, which puts the container in ``<scope>/container`` (crun's
+    ``run.oci.systemd.subgroup``, by default ``container`` under cgroup v2)."""
+    return next(
+        (d for d in (directory, *directory.parents) if d.name.endswith(".scope")), directory
+    )
+
+
 def container_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
     """Where the container runs and on which CPUs, as the kernel and systemd say."""
     pid, spec = cri.inspect(cid)
@@ -77,7 +88,8 @@ def container_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
         if line.startswith("0::")
     )
     directory = CGROUP_ROOT / cgroup.lstrip("/")
-    scope = directory.name
+    scope_cgroup = unit_dir(directory)
+    scope = scope_cgroup.name
     return {
         "id": cid,
         "pid": pid,
@@ -85,7 +97,8 @@ def container_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
         "spec_cpus": spec.get("linux", {}).get("resources", {}).get("cpu", {}).get("cpus", ""),
         "cgroup": cgroup,
         "scope": scope,
-        "slice": directory.parent.name,
+        "slice": scope_cgroup.parent.name,
+        "scope_cpuset_cpus": _read(scope_cgroup / "cpuset.cpus"),
         "scope_controllers": _read(directory / "cgroup.controllers").split(),
         "pod_slice_subtree_control": _read(directory.parent / "cgroup.subtree_control").split(),
         "cpuset_cpus": _read(directory / "cpuset.cpus"),

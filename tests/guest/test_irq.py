@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
+
+from guest.conftest import ON_BOTH
 
 
 def _cpus(text: str) -> set[int]:
@@ -25,6 +28,7 @@ def _mask_cpus(mask: str) -> set[int]:
     return {cpu for cpu in range(value.bit_length()) if value >> cpu & 1}
 
 
+@pytest.mark.parametrize("guest", ON_BOTH, indirect=True)
 def test_irq_free_cpus_under_load_released_and_restored(
     guest: Guest, daemon_node: GuestRuntime
 ) -> None:

@@ -11,19 +11,23 @@ import json
 import time
 
 import pytest
+from harness import guest_runtimes
 from harness.guest import Guest
 from harness.guest_node import GuestNode
 from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
 
-from guest.conftest import RUNTIMES
+from guest.conftest import ON_BOTH, RUNTIMES
 
 CONTROLLERS = "cpuset"
 
 
+@pytest.mark.parametrize("guest", ON_BOTH, indirect=True)
 def test_kernel_reports_a_production_node(guest: Guest) -> None:
     """2 sockets, 2 NUMA nodes, 2 threads per core; cgroup v2 only; systemd as PID 1; the
-    cpuset controller enabled from the root down to kubepods.slice and its QoS slices."""
+    cpuset controller enabled from the root down to kubepods.slice and its QoS slices.  The
+    kernel, systemd and the OCI runtimes are the releases the guest's recipe pins (bookworm:
+    6.1, 252, runc 1.1.5; trixie: 6.12, 257, runc 1.3.6 and crun 1.21)."""
     topology = guest.kernel_topology()
     print(f"accelerator: {guest.vm.accel_reason}; boot {guest.boot_seconds} s")
     print(f"guest kernel: {topology.summary()}")
@@ -43,6 +47,18 @@ def test_kernel_reports_a_production_node(guest: Guest) -> None:
     assert CONTROLLERS in facts["burstable_controllers"], facts
     assert facts["kubepods_cpus_effective"] == "0-7"
     assert facts["kubepods_mems_effective"] == "0-1"
+    recipe = guest.recipe
+    assert facts["kernel_release"] == recipe.kernel_release, facts
+    systemd = next(d for d in recipe.pinned if d.name == "systemd")
+    assert facts["systemd_version"].startswith(f"systemd {systemd.version.split('.')[0]} "), facts
+    oci = guest_runtimes.for_recipe(recipe, guest.lab)
+    expected = {oci.runc: guest_runtimes.RUNC_RELEASE[recipe.suite]}
+    if oci.crun is not None:
+        expected[oci.crun] = "crun version 1.21"
+    for program, release in expected.items():
+        said = guest.check([program, "--version"], timeout=60).splitlines()
+        print(f"{program}: {said[0]}")
+        assert said[0].startswith(release), said
 
 
 @pytest.mark.parametrize("runtime_name", RUNTIMES)

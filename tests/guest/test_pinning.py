@@ -17,7 +17,7 @@ from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
 
 from demo.guest_demo import Narrator, walk
-from guest.conftest import SCENARIO_RUNTIME
+from guest.conftest import ON_BOTH, SCENARIO_RUNTIME, on_guest
 
 SIBLINGS = {"0-1", "2-3", "4-5", "6-7"}  # test_node.py checks the guest kernel reports these
 NUMA = {"0": "0-3", "1": "4-7"}
@@ -53,7 +53,17 @@ def _whole_cores(cpus: set[int]) -> bool:
 
 # CRI-O first: test_node.py, which runs before this module, leaves the node on CRI-O, and the
 # scenarios after this one stay on containerd 2.3.4 (one runtime switch fewer).
-@pytest.mark.parametrize("runtime_name", ["crio", "crio-hooks", SCENARIO_RUNTIME])
+@pytest.mark.parametrize(
+    ("guest", "runtime_name"),
+    [
+        *(on_guest("bookworm", name) for name in ("crio", "crio-hooks", SCENARIO_RUNTIME)),
+        # containerd with runc 1.3.6 on trixie: born pinned is checked by the churn test and
+        # the unit-file test there; this one costs a minute of the CI's budget.
+        on_guest("trixie", "crio"),
+    ],
+    indirect=["guest"],
+    scope="session",  # else a mix of indirect and direct arguments makes it the test's scope
+)
 def test_numa_pod_born_pinned_then_pool_grows_back(
     guest: Guest, placing_runtime: GuestRuntime
 ) -> None:
@@ -63,7 +73,8 @@ def test_numa_pod_born_pinned_then_pool_grows_back(
     daemon handed its cpuset over to the cgroup files at its first move (systemd holds none,
     so none narrower can come back); the hook widens ``AllowedCPUs`` by an explicit list (an
     empty one would leave it narrow on systemd 252).  On containerd 2.3.4 and CRI-O with the
-    daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``)."""
+    daemon over NRI, and on CRI-O with the OCI hook instead (``crio-hooks``); on the trixie
+    guest (systemd 257, kernel 6.12) containerd 2.3.4 runs runc 1.3.6 and CRI-O crun 1.21."""
     facts = _call(guest, "numa_pod_then_stop", address=placing_runtime.cri_socket)
     assert facts["topology"]["numa_nodes"] == NUMA, facts["topology"]
     first = _cpus(facts["pinned_first_line"])
@@ -97,6 +108,7 @@ def test_numa_pod_born_pinned_then_pool_grows_back(
         assert first <= _cpus(allowed), f"shared task {tid} still on {allowed}"
 
 
+@pytest.mark.parametrize("guest", ON_BOTH, indirect=True)
 def test_no_shared_task_on_exclusive_cpus_through_reloads_and_churn(
     guest: Guest, daemon_node: GuestRuntime
 ) -> None:

@@ -7,8 +7,9 @@ host directories the tests need at the same paths as on the host:
 * the checkout, read-only - the tests' Python code and the project;
 * the lab, read-only (when it is not inside the checkout) - runtime binaries, images, CRI stubs;
 * the test interpreter's site-packages, read-only (when not inside the checkout) - grpcio,
-  protobuf and the project's dependencies: cp311 builds, which the guest's Debian python3.11
-  loads as they are;
+  protobuf and the project's dependencies: cp311 builds, which bookworm's python3.11 loads as
+  they are (trixie's python3.13 finds its own builds of the compiled ones first on its path:
+  guest_python.py);
 * a results directory, writable - what the guest leaves for the host (logs, reports).
 
 Same paths on both sides mean a path the host computes (a binary in the lab, a file in the
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import debs, guest_image
+from . import debs, guest_image, guest_python
 from .guest_channel import AgentError, Channel, ChannelError, Completed
 from .guest_vm import VM, Share
 
@@ -88,8 +89,16 @@ class Topology:
 class Guest:
     """A booted guest.  Made by :meth:`boot`; every method talks to the agent."""
 
-    def __init__(self, vm: VM, channel: Channel, python_path: list[str], lab: Path) -> None:
+    def __init__(
+        self,
+        vm: VM,
+        channel: Channel,
+        python_path: list[str],
+        lab: Path,
+        recipe: guest_image.Recipe = guest_image.BOOKWORM,
+    ) -> None:
         self.vm = vm
+        self.recipe = recipe  # which suite it runs
         self.channel = channel
         self.python_path = python_path
         self.lab = lab
@@ -101,20 +110,28 @@ class Guest:
     @classmethod
     @contextmanager
     def boot(
-        cls, *, lab: Path = debs.LAB, log: Callable[[str], None] | None = None
+        cls,
+        *,
+        lab: Path = debs.LAB,
+        log: Callable[[str], None] | None = None,
+        recipe: guest_image.Recipe = guest_image.BOOKWORM,
     ) -> Iterator[Guest]:
-        """Build (if needed) and boot the guest; power it off on exit.  ``log(text)`` is told
-        what happens (which accelerator, how long each step took)."""
+        """Build (if needed) and boot the guest of ``recipe`` (bookworm unless told); power it
+        off on exit.  ``log(text)`` is told what happens (which accelerator, how long each
+        step took)."""
         say = log or (lambda text: None)
         started = time.monotonic()
-        cached = guest_image.cached(lab)
-        image = guest_image.build(lab)
+        cached = guest_image.cached(lab, recipe)
+        image = guest_image.build(lab, of=recipe)
         if cached is None:
-            say(f"guest image built in {time.monotonic() - started:.0f} s: {image.dir}")
+            say(f"{recipe.suite} image built in {time.monotonic() - started:.0f} s: {image.dir}")
+        own_builds = guest_python.site_dir(recipe.python, lab)
         token = secrets.token_hex(4)
         results = lab / "guest" / "run" / token / "results"
         shares, python_path = _shares(lab, results)
-        vm = VM(image, shares, lab=lab, token=token)
+        if own_builds is not None:  # before the host's site-packages (its cp311 builds)
+            python_path.insert(2, str(own_builds))
+        vm = VM(image, shares, lab=lab, token=token, tcg_threads=recipe.tcg_threads)
         say(f"guest accelerator: {vm.accel_reason}")
         channel = None
         try:
@@ -122,13 +139,13 @@ class Guest:
             vm.start()
             boot_started = time.monotonic()
             channel = Channel(vm.agent_socket)
-            guest = cls(vm, channel, python_path, lab)
+            guest = cls(vm, channel, python_path, lab, recipe)
             guest._wait_for_agent(BOOT_TIMEOUT[vm.accel])
             guest._wait_for_systemd(BOOT_TIMEOUT[vm.accel])
             guest._mount_shares(shares)
             guest.boot_seconds = round(time.monotonic() - boot_started, 1)
             say(
-                f"guest booted in {guest.boot_seconds} s ({vm.accel}), systemd says "
+                f"{recipe.suite} guest booted in {guest.boot_seconds} s ({vm.accel}), systemd says "
                 f"{guest.system_state}; console log {vm.console_log}"
             )
         except BaseException as e:

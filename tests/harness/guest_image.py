@@ -1,5 +1,7 @@
-"""The guest node's disk, kernel and initrd: Debian bookworm built by debootstrap from Debian's
-archive, cached in the lab under a hash of its recipe and rebuilt when missing.
+"""The guest node's disk, kernel and initrd: Debian built by debootstrap from Debian's archive,
+cached in the lab under a hash of its recipe and rebuilt when missing.  Two recipes:
+:data:`BOOKWORM` (systemd 252, kernel 6.1, runc 1.1.5; the default) and :data:`TRIXIE`
+(systemd 257, kernel 6.12, crun 1.21; runc 1.3 comes from the lab, guest_runtimes.py).
 
 What can be trusted and how:
 
@@ -41,7 +43,6 @@ from . import debs, host, host_tools, shortpaths
 from .debs import Deb
 from .packages import CONMON, RUNC
 
-SUITE = "bookworm"
 KERNEL_RELEASE = "6.1.0-50-amd64"
 KERNEL = Deb(
     f"linux-image-{KERNEL_RELEASE}",
@@ -64,10 +65,9 @@ SYSTEMD_SYSV = Deb(
     "e3dc84316cfdf7e3feefe4eaf507758d2630ea131e1834e1f07525b3e537db2d",
 )
 PINNED = (KERNEL, KERNEL_META, SYSTEMD, SYSTEMD_SYSV, RUNC, CONMON)
-# Installed by name on top of debootstrap's minbase (essential packages + apt); their
-# dependencies are resolved by debootstrap.
-PACKAGES = (
-    *(deb.name for deb in PINNED),
+# Installed by name on top of debootstrap's minbase (essential packages + apt) besides the
+# pinned ones; their dependencies are resolved by debootstrap.
+BASE_PACKAGES = (
     "dbus",  # runc's and the runtimes' systemd cgroup driver talk to systemd over D-Bus
     "udev",  # device units, module autoloading, /dev/virtio-ports
     "kmod",
@@ -78,6 +78,62 @@ PACKAGES = (
     "libseccomp2",
     "libsqlite3-0",  # CRI-O 1.36.3 links the system libsqlite3 (shared/runtimes/cri-o)
 )
+
+# trixie: what current nodes run (systemd 255-257, kernels >= 6.8).  Its runc is 1.1.15, so
+# the runc under test (1.3) comes from sid through the lab instead (packages.RUNC_13); CRI-O
+# runs trixie's crun here, as Fedora's, RHEL's and OpenShift's CRI-O does by default.
+TRIXIE_KERNEL_RELEASE = "6.12.117+deb13-amd64"
+TRIXIE_PINNED = (
+    Deb(
+        f"linux-image-{TRIXIE_KERNEL_RELEASE}",
+        "6.12.117-1",
+        "ca712d36790184f6ac125ce2b20ea4e2202ae6bb7817b7de268f1f0115ccda73",
+    ),
+    Deb(
+        "linux-image-amd64",
+        "6.12.117-1",
+        "c91bd9b74771215b734ac74717b7994f654d694091336f381c9f6b5368a88b5d",
+    ),
+    Deb(
+        "systemd",
+        "257.13-1~deb13u1",
+        "ee81302a1d5b7434762b6e784a572854d4b6cf6235e33e2d104ad4e1cae71ab4",
+    ),
+    Deb(
+        "systemd-sysv",
+        "257.13-1~deb13u1",
+        "3bed48042b6e40f8a3c439e79b4a4ed6a12102eb3ab66123dc43aa18f0416729",
+    ),
+    Deb("crun", "1.21-1", "f94f8d4acf08a304884666d67d9faa797ab8401b46c311827783a432cb15b652"),
+    Deb("conmon", "2.1.12-4", "5de1cc371415dc0a75d988d74b89789a86a6d541de3ccaf2214e548c584d1605"),
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One suite's image: the packages pinned by version and SHA256, the kernel to boot, and
+    the minor version of the suite's python3 (the guest runs the tests' code with it).
+    ``tcg_threads``: how QEMU runs the virtual CPUs under TCG (guest_vm.py) - not part of the
+    image, so not of its key."""
+
+    suite: str
+    kernel_release: str
+    pinned: tuple[Deb, ...]
+    python: str
+    tcg_threads: str = "multi"
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return (*(deb.name for deb in self.pinned), *BASE_PACKAGES)
+
+
+BOOKWORM = Recipe("bookworm", KERNEL_RELEASE, PINNED, "3.11")
+# Kernel 6.12 under multi-threaded TCG (QEMU 7.2) was seen to oops at boot: a virtual CPU
+# woken from HLT ran an int3 of a finished text patch (the static key flipped by "sched_clock:
+# Marking stable"; "Oops: int3" in sched_clock_idle_wakeup_event), 1 boot of 2.  With every
+# virtual CPU on one host thread, code another CPU patched is never run stale.
+TRIXIE = Recipe("trixie", TRIXIE_KERNEL_RELEASE, TRIXIE_PINNED, "3.13", tcg_threads="single")
+RECIPES = {r.suite: r for r in (BOOKWORM, TRIXIE)}
 # Bump when the tree or image layout made here changes without the constants above changing.
 FORMAT = 1
 IMAGE_SIZE = "4G"  # sparse; about 1 GB is used
@@ -166,14 +222,14 @@ class GuestImage:
         return json.loads((self.dir / "manifest.json").read_text())
 
 
-def recipe() -> dict:
+def recipe(of: Recipe = BOOKWORM) -> dict:
     """Everything the image is made from; its hash names the cache entry."""
     return {
         "format": FORMAT,
-        "suite": SUITE,
+        "suite": of.suite,
         "variant": "minbase",
-        "packages": list(PACKAGES),
-        "pinned": [[d.name, d.version, d.sha256] for d in PINNED],
+        "packages": list(of.packages),
+        "pinned": [[d.name, d.version, d.sha256] for d in of.pinned],
         "files": _FILES,
         "masked": list(_MASKED),
         "enabled": {AGENT_UNIT: "sysinit.target"},
@@ -181,21 +237,21 @@ def recipe() -> dict:
     }
 
 
-def recipe_key() -> str:
-    return hashlib.sha256(json.dumps(recipe(), sort_keys=True).encode()).hexdigest()[:16]
+def recipe_key(of: Recipe = BOOKWORM) -> str:
+    return hashlib.sha256(json.dumps(recipe(of), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached(lab: Path = debs.LAB) -> GuestImage | None:
-    """The image of the current recipe if it is built, else None (nothing is built)."""
-    image = GuestImage(lab / "guest" / "images" / recipe_key(), recipe_key())
+def cached(lab: Path = debs.LAB, of: Recipe = BOOKWORM) -> GuestImage | None:
+    """The image of the recipe if it is built, else None (nothing is built)."""
+    image = GuestImage(lab / "guest" / "images" / recipe_key(of), recipe_key(of))
     return image if (image.dir / ".done").exists() else None
 
 
-def build(lab: Path = debs.LAB, log: Path | None = None) -> GuestImage:
-    """The image of the current recipe, built first if it is not cached (2-5 minutes on a
-    2-CPU machine, mostly downloads and dpkg).  ``log`` receives debootstrap's output
-    (default: ``build.log`` next to the image)."""
-    key = recipe_key()
+def build(lab: Path = debs.LAB, log: Path | None = None, of: Recipe = BOOKWORM) -> GuestImage:
+    """The image of the recipe, built first if it is not cached (2-5 minutes on a 2-CPU
+    machine, mostly downloads and dpkg).  ``log`` receives debootstrap's output (default:
+    ``build.log`` next to the image)."""
+    key = recipe_key(of)
     target = lab / "guest" / "images" / key
     image = GuestImage(target, key)
     if (target / ".done").exists():
@@ -213,17 +269,17 @@ def build(lab: Path = debs.LAB, log: Path | None = None) -> GuestImage:
         # of the Packages lists): the tree is made in a short private directory instead.
         work = shortpaths.make(BUILD_KIND, within=shortpaths.BASES[1])
         try:
-            _build_into(partial, work, lab, tools, log or partial / "build.log")
+            _build_into(partial, work, lab, tools, log or partial / "build.log", of)
         finally:
             remove_build_dir(work)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         (target / ".done").touch()
-        _remove_stale_images(target.parent, keep=target)
+        _remove_stale_images(target.parent, keep=target, suite=of.suite)
     return image
 
 
-def _debootstrap(work: Path, lab: Path, tools: dict[str, Path], log: Path) -> Path:
+def _debootstrap(work: Path, lab: Path, tools: dict[str, Path], log: Path, of: Recipe) -> Path:
     """The bootstrapped tree (in ``work``); the downloaded packages stay in the lab."""
     cache = lab / "guest" / "debs"  # a recipe change downloads only what changed
     cache.mkdir(parents=True, exist_ok=True)
@@ -233,11 +289,11 @@ def _debootstrap(work: Path, lab: Path, tools: dict[str, Path], log: Path) -> Pa
     command = [
         str(tools["debootstrap"]),
         "--variant=minbase",
-        f"--include={','.join(PACKAGES)}",
+        f"--include={','.join(of.packages)}",
         f"--keyring={debs.KEYRING}",
         "--force-check-gpg",
         f"--cache-dir={work / 'debs'}",
-        SUITE,
+        of.suite,
         str(rootfs),
         mirror,
     ]
@@ -249,20 +305,22 @@ def _debootstrap(work: Path, lab: Path, tools: dict[str, Path], log: Path) -> Pa
         )
     if result.returncode:
         raise GuestImageError(
-            f"debootstrap {SUITE} from {mirror} failed (exit {result.returncode}); if a pinned "
+            f"debootstrap {of.suite} from {mirror} failed (exit {result.returncode}); if a pinned "
             f"package is gone from the suite, see the pins in guest_image.py.\n{_tail(log)}"
         )
-    _check_pins(cache, _installed(rootfs))
+    _check_pins(cache, _installed(rootfs), of)
     return rootfs
 
 
-def _build_into(out: Path, work: Path, lab: Path, tools: dict[str, Path], log: Path) -> None:
+def _build_into(
+    out: Path, work: Path, lab: Path, tools: dict[str, Path], log: Path, of: Recipe
+) -> None:
     started = time.monotonic()
-    rootfs = _debootstrap(work, lab, tools, log)
+    rootfs = _debootstrap(work, lab, tools, log, of)
     installed = _installed(rootfs)
-    _configure(rootfs)
-    shutil.copyfile(rootfs / f"boot/vmlinuz-{KERNEL_RELEASE}", out / "vmlinuz")
-    shutil.copyfile(rootfs / f"boot/initrd.img-{KERNEL_RELEASE}", out / "initrd.img")
+    _configure(rootfs, of)
+    shutil.copyfile(rootfs / f"boot/vmlinuz-{of.kernel_release}", out / "vmlinuz")
+    shutil.copyfile(rootfs / f"boot/initrd.img-{of.kernel_release}", out / "initrd.img")
     for deb in (rootfs / "var/cache/apt/archives").glob("*.deb"):
         deb.unlink()  # debootstrap's copies: the lab's cache keeps them
     disk = out / "disk.img"
@@ -274,8 +332,8 @@ def _build_into(out: Path, work: Path, lab: Path, tools: dict[str, Path], log: P
     if mkfs.returncode:
         raise GuestImageError(f"mkfs.ext4 -d {rootfs} failed: {mkfs.stderr.strip()[-1500:]}")
     manifest = {
-        "recipe": recipe(),
-        "key": recipe_key(),
+        "recipe": recipe(of),
+        "key": recipe_key(of),
         "mirror": debs._archive_uri(),
         "installed": installed,
         "build_seconds": round(time.monotonic() - started, 1),
@@ -295,9 +353,9 @@ def _installed(rootfs: Path) -> dict[str, str]:
     return out
 
 
-def _check_pins(cache: Path, installed: dict[str, str]) -> None:
+def _check_pins(cache: Path, installed: dict[str, str], of: Recipe) -> None:
     problems = []
-    for deb in PINNED:
+    for deb in of.pinned:
         if installed.get(deb.name) != deb.version:
             problems.append(
                 f"{deb.name}: the suite installed {installed.get(deb.name)}, "
@@ -313,19 +371,22 @@ def _check_pins(cache: Path, installed: dict[str, str]) -> None:
             "the archive changed under the guest recipe - check the packages and update the "
             "pins in tests/harness/guest_image.py deliberately:\n  " + "\n  ".join(problems)
         )
-    python = installed.get("python3.11", "")
-    if not python.startswith("3.11."):
-        # The guest runs the host venv's cp311 packages (grpcio, protobuf, ...).
-        raise GuestImageError(f"the guest's python3.11 is {python or 'missing'}; need 3.11")
+    python = installed.get(f"python{of.python}", "")
+    if not python.startswith(f"{of.python}."):
+        # The guest runs the host venv's packages (cp311) or their builds for its own python
+        # (guest_python.py): the minor version must be the recipe's.
+        raise GuestImageError(
+            f"the guest's python{of.python} is {python or 'missing'}; need {of.python}"
+        )
 
 
-def _configure(rootfs: Path) -> None:
+def _configure(rootfs: Path, of: Recipe) -> None:
     for name, text in _FILES.items():
         path = rootfs / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     # A fixed machine id: every boot of the snapshot is then not a "first boot".
-    (rootfs / "etc/machine-id").write_text(hashlib.md5(recipe_key().encode()).hexdigest() + "\n")
+    (rootfs / "etc/machine-id").write_text(hashlib.md5(recipe_key(of).encode()).hexdigest() + "\n")
     systemd = rootfs / "etc/systemd/system"
     _symlink(systemd / "default.target", "/lib/systemd/system/multi-user.target")
     for unit in _MASKED:
@@ -353,11 +414,23 @@ def remove_build_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _remove_stale_images(images: Path, keep: Path) -> None:
-    """Images of older recipes: 1 GB each, never used again."""
+def _remove_stale_images(images: Path, keep: Path, suite: str) -> None:
+    """Images of the suite's older recipes: 1 GB each, never used again.  Another suite's
+    image stays: both guests are booted by one test session."""
     for other in images.iterdir():
-        if other != keep and other.is_dir() and not other.name.endswith(".partial"):
+        if other == keep or not other.is_dir() or other.name.endswith(".partial"):
+            continue
+        if _suite_of(other) == suite:
             shutil.rmtree(other, ignore_errors=True)
+
+
+def _suite_of(image: Path) -> str | None:
+    """The suite an image was built from (its manifest), None when that cannot be read (an
+    image without one is left alone)."""
+    try:
+        return json.loads((image / "manifest.json").read_text())["recipe"]["suite"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _tail(path: Path, lines: int = 30) -> str:

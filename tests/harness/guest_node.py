@@ -20,9 +20,9 @@ from .guest import Guest, GuestError
 from .guest_runtimes import (
     EMULATED_NRI_TIMEOUTS,
     HOOK_PROGRAM,
-    RUNC,
     GuestRuntime,
     NRITimeouts,
+    for_recipe,
     runtimes,
 )
 
@@ -33,13 +33,17 @@ PACKAGING = debs.REPO / "packaging"
 
 
 class GuestNode:
-    def __init__(self, guest: Guest, nri: NRITimeouts | None = None, runc: str = RUNC) -> None:
-        """``runc``: what containerd runs as runc (default the image's; a benchmark names its
-        counting wrapper, which it writes into the guest itself)."""
+    def __init__(
+        self, guest: Guest, nri: NRITimeouts | None = None, runc: str | None = None
+    ) -> None:
+        """``runc``: what the runtimes run as runc (default the guest's: the bookworm image's
+        1.1.5, the lab's 1.3.6 on trixie; a benchmark names its counting wrapper, which it
+        writes into the guest itself).  CRI-O runs crun on trixie (guest_runtimes.py)."""
         self.guest = guest
         emulated = guest.vm.accel == "tcg"
         self.nri = nri or (EMULATED_NRI_TIMEOUTS if emulated else NRITimeouts())
-        self.runtimes = runtimes(guest.lab, self.nri, runc)
+        oci = for_recipe(guest.recipe, guest.lab)
+        self.runtimes = runtimes(guest.lab, self.nri, runc or oci.runc, oci.crun)
         self.current: GuestRuntime | None = None
         self.daemon_running = False  # started by start_daemon(), not stopped since
         self._installed = False

@@ -8,6 +8,10 @@ path packaging/ uses) - and one runtime at a time, as a node has one.
 * CRI-O 1.36.3 (the shared build, crio.py) with ``cgroup_manager = "systemd"``, conmon 2.1.6
   and runc from the image, overlay storage in /var/lib/containers.
 
+On the trixie guest (guest_image.TRIXIE) the same units run runc 1.3.6 from the lab
+(packages.RUNC_13) instead of the image's, and CRI-O runs trixie's crun 1.21 by default (with
+trixie's conmon 2.1.12), as CRI-O does on Fedora, RHEL and OpenShift: :func:`for_recipe`.
+
 Their binaries stay in the lab, which the guest sees read-only at the host's path, so a unit
 names them where the host unpacked them.  What the host harness needs only because its host is
 not a node (private top cgroups, short socket directories, the oom_score_adj wrapper, vfs
@@ -27,12 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import cri, crio, debs, image, tarballs
+from . import cri, crio, debs, guest_image, image, tarballs
 from .containerd import _duration, _toml
-from .packages import CONTAINERD_17, CONTAINERD_23
+from .packages import CONTAINERD_17, CONTAINERD_23, RUNC_13
 
 NRI_SOCKET = "/var/run/nri/nri.sock"
 RUNC = "/usr/sbin/runc"  # bookworm's 1.1.5, pinned in the image (guest_image.py)
+CRUN = "/usr/bin/crun"  # trixie's 1.21, pinned in that image
+# The first line of ``runc --version`` of each guest's runc (the smoke test checks it).
+RUNC_RELEASE = {"bookworm": "runc version 1.1.5", "trixie": "runc version 1.3.6"}
 CONMON = "/usr/bin/conmon"
 CONFIG_DIR = "/etc/nri-guest"
 UNIT_DIR = "/etc/systemd/system"
@@ -80,9 +87,26 @@ class GuestRuntime:
         return f"{self.name}.service"
 
 
+@dataclass(frozen=True)
+class OCIRuntimes:
+    """The OCI runtimes a guest's runtimes run: ``runc`` for containerd (and CRI-O when
+    ``crun`` is None), ``crun`` for CRI-O."""
+
+    runc: str = RUNC
+    crun: str | None = None
+
+
+def for_recipe(recipe: guest_image.Recipe, lab: Path = debs.LAB) -> OCIRuntimes:
+    """The OCI runtimes of the guest built from ``recipe``."""
+    if recipe.suite == "trixie":
+        return OCIRuntimes(runc=str(debs.unpack(RUNC_13, lab) / "usr/sbin/runc"), crun=CRUN)
+    return OCIRuntimes()
+
+
 def prepare(lab: Path = debs.LAB) -> None:
     """Everything the guest reads from the lab, made on the host before the guest boots (the
     guest sees the lab read-only): binaries unpacked and checked, images, CRI stubs."""
+    debs.unpack(RUNC_13, lab)
     tarballs.unpack(CONTAINERD_23, lab)
     debs.unpack(CONTAINERD_17, lab)
     crio.binaries(lab)
@@ -92,16 +116,18 @@ def prepare(lab: Path = debs.LAB) -> None:
 
 
 def runtimes(
-    lab: Path = debs.LAB, nri: NRITimeouts | None = None, runc: str = RUNC
+    lab: Path = debs.LAB, nri: NRITimeouts | None = None, runc: str = RUNC, crun: str | None = None
 ) -> dict[str, GuestRuntime]:
     """The three runtimes by name, their binaries at the lab paths :func:`prepare` made.
-    ``runc``: the program containerd's shims run as runc (a benchmark's counting wrapper)."""
+    ``runc``: the program the runtimes run as runc (a newer release, or a benchmark's counting
+    wrapper); ``crun``: CRI-O's default runtime instead of runc."""
     nri = nri or NRITimeouts()
+    oci = OCIRuntimes(runc, crun)
     made = [
         _containerd("2.3", "2.3.4", tarballs.unpack(CONTAINERD_23, lab) / "bin", lab, nri, runc),
         _containerd("1.7", "1.7.24", debs.unpack(CONTAINERD_17, lab) / "usr/bin", lab, nri, runc),
-        _crio(lab, nri),
-        _crio(lab, nri, hooks=True),
+        _crio(lab, nri, oci),
+        _crio(lab, nri, oci, hooks=True),
     ]
     names = [r.name for r in made]
     return {r.name: _with_unit_conflicts(r, names) for r in made}
@@ -223,7 +249,7 @@ OOMScoreAdjust=-999
     )
 
 
-def _crio(lab: Path, nri: NRITimeouts, hooks: bool = False) -> GuestRuntime:
+def _crio(lab: Path, nri: NRITimeouts, oci: OCIRuntimes, hooks: bool = False) -> GuestRuntime:
     """CRI-O with NRI on (``crio``), or with NRI off and the project's OCI hook in hooks.d
     (``crio-hooks``: packaging/crio/10-nri-cpuplugin-hooks.conf's mode).  Both use the same
     storage and sockets: one of them runs at a time."""
@@ -233,6 +259,19 @@ def _crio(lab: Path, nri: NRITimeouts, hooks: bool = False) -> GuestRuntime:
     socket = "/var/run/crio/crio.sock"
     storage = {"driver": "overlay", "graphroot": "/var/lib/containers/storage"}
     storage["runroot"] = "/run/containers/storage"
+    oci_runtimes = {
+        "runc": {
+            "runtime_path": oci.runc,
+            "runtime_type": "oci",
+            "runtime_root": "/run/runc",
+            "monitor_path": CONMON,
+            # conmon in a scope of the pod's slice, as on a node
+            "monitor_cgroup": "pod",
+        }
+    }
+    if oci.crun is not None:
+        oci_runtimes["crun"] = {**oci_runtimes["runc"], "runtime_path": oci.crun}
+        oci_runtimes["crun"]["runtime_root"] = "/run/crun"
     config = {
         "crio": {
             "root": storage["graphroot"],
@@ -241,23 +280,14 @@ def _crio(lab: Path, nri: NRITimeouts, hooks: bool = False) -> GuestRuntime:
             "api": {"listen": socket},
             "runtime": {
                 "cgroup_manager": "systemd",
-                "default_runtime": "runc",
+                "default_runtime": "runc" if oci.crun is None else "crun",
                 "pinns_path": str(binaries / "pinns"),
                 "log_level": "info",
                 # Neither iptables/nft nor irqbalance in the image.
                 "disable_hostport_mapping": True,
                 "irqbalance_config_file": "",
                 "irqbalance_config_restore_file": "disable",
-                "runtimes": {
-                    "runc": {
-                        "runtime_path": RUNC,
-                        "runtime_type": "oci",
-                        "runtime_root": "/run/runc",
-                        "monitor_path": CONMON,
-                        # conmon in a scope of the pod's slice, as on a node
-                        "monitor_cgroup": "pod",
-                    }
-                },
+                "runtimes": oci_runtimes,
             },
             "image": {
                 "pause_image": image.PAUSE_IMAGE,
@@ -280,7 +310,8 @@ def _crio(lab: Path, nri: NRITimeouts, hooks: bool = False) -> GuestRuntime:
     unit = f"""\
 # Written by tests/harness/guest_runtimes.py: CRI-O {crio.VERSION} on the guest node.
 [Unit]
-Description=CRI-O {crio.VERSION} with {mode} (nri-cpuplugin guest node)
+Description=CRI-O {crio.VERSION} with {mode}, {"runc" if oci.crun is None else "crun"} \
+(nri-cpuplugin guest node)
 After=local-fs.target dbus.service
 Conflicts=@CONFLICTS@
 

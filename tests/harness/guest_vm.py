@@ -121,8 +121,12 @@ class VM:
         *,
         lab: Path = debs.LAB,
         token: str | None = None,
+        tcg_threads: str = "multi",
     ) -> None:
+        """``tcg_threads``: ``multi`` (a host thread per virtual CPU) or ``single`` (one for
+        all of them), under TCG (guest_image.Recipe.tcg_threads says why a kernel needs it)."""
         self.image = image
+        self.tcg_threads = tcg_threads
         self.shares = shares
         self.lab = lab
         self.token = token or secrets.token_hex(4)
@@ -153,7 +157,7 @@ class VM:
     def command(self) -> list[str]:
         qemu = str(host_tools.ensure("qemu-system-x86_64", lab=self.lab)["qemu-system-x86_64"])
         # TCG: one host thread per virtual CPU (x86 on x86 is safe for multi-threaded TCG).
-        accel = ["-accel", "kvm" if self.accel == "kvm" else "tcg,thread=multi"]
+        accel = ["-accel", "kvm" if self.accel == "kvm" else f"tcg,thread={self.tcg_threads}"]
         numa: list[str] = []
         for node in range(SOCKETS):
             numa += [

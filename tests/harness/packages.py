@@ -33,6 +33,12 @@ LIBYAJL2 = Deb(
     "2.1.0-3+deb12u2",
     "b512a6efbe735e7c731185a1b3ea477ff306f0c3f6aa2970e85b12f01fe8063b",
 )
+# runc 1.3 for the trixie guest (guest_image.TRIXIE): current containerd releases ship runc
+# 1.2/1.3, and no Debian suite but sid carries 1.3 (experimental has moved on to 1.4).  It
+# needs GLIBC_2.38, so it runs in that guest only, from the lab (`dpkg -x`).
+RUNC_13 = Deb(
+    "runc", "1.3.6+ds1-1", "8e95d7bdfd22242ae4d48d58e3c277ba2b69dffc4ed8e573b837e6e93925d911"
+)
 BUSYBOX_STATIC = Deb(
     "busybox-static",
     "1:1.35.0-4+deb12u1+b1",
