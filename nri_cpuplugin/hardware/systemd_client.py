@@ -138,31 +138,15 @@ class SystemdClient:
         conversation = self.conversation
         if conversation is None or conversation.closed:
             conversation = self._connect(deadline)
-        sock = self.sock
-        try:
-            while not conversation.closed and not conversation.ready:
-                assert sock is not None  # an open conversation: _connect opened its socket
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return SystemdError(
-                        f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s",
-                        "timeout",
-                    )
-                sock.settimeout(remaining)
-                try:
-                    data = sock.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data:
-                    closed = SystemdError(f"{self.path} closed the connection", "closed")
-                    conversation.fail(UNREACHABLE, closed)
-                    break
-                conversation.feed(data)
-        except OSError as e:
-            conversation.fail(UNREACHABLE, connect_error(self.path, e))
+        self._read(conversation, deadline, lambda: conversation.ready)
         if conversation.closed:
             self.close()
             return conversation.error
+        if not conversation.ready:
+            return SystemdError(
+                f"no answer to the D-Bus handshake on {self.path} within {timeout:g} s",
+                "timeout",
+            )
         return None
 
     def _connect(self, deadline: float) -> Conversation:
