@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Target
+from ..core.engine import CFS_PERIOD_US, UNLIMITED, Target
 from ..core.policy import PolicyError
 from ..core.workload import (
     GUARANTEED,
@@ -93,7 +93,7 @@ class NRIAdapter:
         effects = await self.deadline.handle(event)
         adjust = pb.ContainerAdjustment()
         if effects.own is not None:
-            fill_cpu(adjust.linux.resources.cpu, effects.own)
+            fill_cpu(adjust.linux.resources.cpu, effects.own, created=True)
         return adjust, updates_of(effects)
 
     async def start_container(self, pod: pb.PodSandbox, container: pb.Container) -> None:
@@ -184,9 +184,10 @@ def netns_of(pod: pb.PodSandbox) -> str | None:
 
 def stored(container: pb.Container) -> ev.Stored:
     cpu = container.linux.resources.cpu
-    return ev.Stored(
-        cpus_of(container), cpu.mems.strip(), cpu.quota.value if cpu.HasField("quota") else None
-    )
+    quota = cpu.quota.value if cpu.HasField("quota") else None
+    if quota == NO_QUOTA_AT_CREATE:
+        quota = UNLIMITED  # the spec of a container created without a quota
+    return ev.Stored(cpus_of(container), cpu.mems.strip(), quota)
 
 
 def cpus_of(container: pb.Container) -> CPUSet:
@@ -216,13 +217,24 @@ def pod_cpu_limit(pod: pb.PodSandbox) -> int:
 # --- protobuf out -------------------------------------------------------------------------------
 
 
-def fill_cpu(cpu: pb.LinuxCPU, target: Target) -> None:
+# A cgroup the runtime creates has no CFS quota until one is written, and quota 0 is what
+# every runtime reads as "write none" (kubelet sends it for containers without a CPU limit).
+# -1 asks the runtime to lift a quota, which some cannot do right: crun before 1.22 on the
+# systemd driver turns it into 1 ms per 100 ms (1 % of a CPU: the container's own start then
+# takes seconds; containers/crun#1794), crun before 1.8.4 fails it on cgroup v1.  So a new
+# container is told 0, a running one -1.
+NO_QUOTA_AT_CREATE = 0
+
+
+def fill_cpu(cpu: pb.LinuxCPU, target: Target, created: bool = False) -> None:
+    """``target`` as the runtime's resources; ``created``: for a container not created yet."""
     cpu.cpus = str(target.cpus)
     if target.mems:
         cpu.mems = str(target.mems)
     if target.quota is not None:
-        cpu.quota.value = target.quota
-        if target.quota >= 0:
+        lifted = target.quota == UNLIMITED
+        cpu.quota.value = NO_QUOTA_AT_CREATE if lifted and created else target.quota
+        if not lifted:
             cpu.period.value = CFS_PERIOD_US
 
 

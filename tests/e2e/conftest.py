@@ -109,15 +109,9 @@ def cri(containerd: Containerd) -> cri_mod.CRIClient:
 
 
 @pytest.fixture
-def daemon(containerd: Containerd, tmp_path: Path, oci_runtime: str) -> Iterator[Daemon]:
-    """``nri-cpuplugin run`` connected to ``containerd`` (reserved CPU 0), synchronized.
-    Under crun 1.8.1 with ``cfs_quota = "keep"``: that crun cannot write the lifted quota (-1)
-    on cgroup v1 (docs/operator-guide.md, ``cfs_quota``)."""
-    config = None
-    if oci_runtime == "crun":
-        config = tmp_path / "crun-node.toml"
-        config.write_text('cfs_quota = "keep"\n')
-    process = Daemon(containerd.nri_socket, tmp_path / "state", config=config)
+def daemon(containerd: Containerd, tmp_path: Path) -> Iterator[Daemon]:
+    """``nri-cpuplugin run`` connected to ``containerd`` (reserved CPU 0), synchronized."""
+    process = Daemon(containerd.nri_socket, tmp_path / "state")
     process.start()
     yield process
     process.stop()

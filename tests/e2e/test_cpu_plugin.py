@@ -15,8 +15,8 @@ from harness import host
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
 
-from e2e.daemon import REPO, Daemon, check_agreement, settled_state, wait_for
-from e2e.runtimes import ALSO_CRUN, ONLY_CRUN
+from e2e.daemon import REPO, check_agreement, settled_state, wait_for
+from e2e.runtimes import ALSO_CRUN
 
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 ALL = "0-1"
@@ -37,29 +37,13 @@ def test_born_pinned_with_memory_node_and_no_quota(containerd, cri, daemon, oci_
     assert line == "Cpus_allowed_list:\t1"  # its very first instruction already ran on CPU 1
     path = cri.cgroup_path(pod["victim"])
     assert host.read_cgroup(path, "cpuset.mems") == "0"
-    # crun 1.8.1's node keeps kubelet's quota (cfs_quota = "keep"; the daemon fixture).
-    quota = "-1" if oci_runtime == "runc" else "100000"
-    assert host.read_cgroup(path, "cpu.cfs_quota_us", "cpu") == quota
+    # No quota, crun 1.8.1 too: it cannot write -1 on cgroup v1, and a new container is told
+    # 0, which every runtime reads as "write none" (daemon/adapter.py).
+    assert host.read_cgroup(path, "cpu.cfs_quota_us", "cpu") == "-1"
+    assert cri.inspect(pod["victim"]).spec["linux"]["resources"]["cpu"]["quota"] == 0
     [allocate] = daemon.records("allocate")
     assert allocate["CPUS"] == "1" and allocate["POD_NAME"] == "latency"
     check_agreement(daemon, cri)
-
-
-@ONLY_CRUN
-def test_crun_1_8_1_cannot_lift_the_quota_on_cgroup_v1(containerd, cri, tmp_path):
-    """crun before 1.8.4 writes quota -1 ("no quota") into cpu.cfs_quota_us as an unsigned
-    number, which the kernel refuses: with the default ``cfs_quota = "unlimited"`` every
-    exclusive container fails to start there.  docs/operator-guide.md tells such nodes to set
-    ``cfs_quota = "keep"``, which the other crun tests run with (the ``daemon`` fixture)."""
-    daemon = Daemon(containerd.nri_socket, tmp_path / "state").start()
-    try:
-        pod_id = cri.run_pod(PodSpec("latency", qos="guaranteed"))
-        cid = cri.create_container(pod_id, guaranteed("victim"))
-        assert cri.inspect(cid).spec["linux"]["resources"]["cpu"]["quota"] == -1
-        with pytest.raises(CRIError, match=r"cpu\.cfs_quota_us.*Numerical result out of range"):
-            cri.start(cid)
-    finally:
-        daemon.stop()
 
 
 @ALSO_CRUN

@@ -708,7 +708,7 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
             assert reply.code == 0
             response = pb.CreateContainerResponse.FromString(reply.payload)
             cpu = response.adjust.linux.resources.cpu
-            assert len(P(cpu.cpus)) == 1 and cpu.quota.value == -1  # exclusive: pinned
+            assert len(P(cpu.cpus)) == 1 and cpu.quota.value == 0  # exclusive: pinned, no quota
             pool = str(ONLINE - P(cpu.cpus))
             assert [(u.container_id, u.linux.resources.cpu.cpus) for u in response.update] == [
                 (CID["nginx"], pool)

@@ -53,7 +53,7 @@ def test_exclusive_container_is_born_pinned_and_siblings_shrink_in_the_same_repl
     plugin.create_container(web, container("nginx", web, 500))
     db = pod("db")
     adjust, updates = plugin.create_container(db, container("postgres", db, 2000))
-    assert cpu_of(adjust) == ("1,25", "0", -1)  # 0,24 reserved; CFS quota lifted
+    assert cpu_of(adjust) == ("1,25", "0", 0)  # 0,24 reserved; no CFS quota (0 at creation)
     assert [(u.container_id[:5], cpu_of(u), u.ignore_failure) for u in updates] == [
         ("nginx", ("0,2-24,26-47", "", None), True)
     ]
@@ -306,6 +306,24 @@ def test_synchronize_leaves_out_what_the_runtime_says_already(node):
     got = {u.container_id[:7] for u in updates}
     assert "lagging" in got and "current" not in got
     assert {cpu_of(u)[0] for u in updates if u.container_id.startswith("lagging")} == {str(pool)}
+
+
+def test_a_new_container_is_told_quota_0_a_running_one_minus_1(node):
+    """No CFS quota is 0 at creation (a new cgroup has none; -1 is what crun before 1.22 on
+    systemd turns into 1 % of a CPU) and -1 for a running container, whose quota must be
+    lifted; a spec that says 0 agrees with "no quota" at the next synchronize."""
+    plugin, _ = node
+    db = pod("db")
+    adjust, _ = plugin.create_container(db, container("created", db, 1000))
+    assert cpu_of(adjust)[2] == 0 and not adjust.linux.resources.cpu.HasField("period")
+    held, mems, _ = cpu_of(adjust)
+    as_created = container("created", db, 1000, cpus=held)  # the spec our adjustment made
+    as_created.linux.resources.cpu.mems, as_created.linux.resources.cpu.quota.value = mems, 0
+    kubelets = container("created", db, 1000, cpus=held)  # a spec with kubelet's quota
+    kubelets.linux.resources.cpu.mems = mems
+    assert plugin.synchronize([db], [as_created]) == []
+    [update] = plugin.synchronize([db], [kubelets])
+    assert cpu_of(update) == (held, mems, -1)
 
 
 def test_corrupt_state_file_is_set_aside_and_the_daemon_starts(node, tmp_path):
