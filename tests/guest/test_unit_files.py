@@ -66,6 +66,10 @@ def test_unit_files_agree_with_systemd_through_handover_update_and_reload(
                  "shared_after_update_reload"):  # fmt: skip
         assert not _cpus(steps[step]["cpuset_cpus"]) & exclusive, (step, steps[step])
     assert _cpus(steps["pinned_after_reloads"]["cpuset_cpus"]) == exclusive
+    # No CFS quota on exclusive CPUs, through reloads too: crun 1.21 on systemd turned the
+    # quota -1 a creation once carried into "1000 100000", 1 % of a CPU (containers/crun#1794).
+    for step in ("pinned_created", "pinned_after_reloads"):
+        assert steps[step]["cpu_max"].startswith("max "), (step, steps[step]["cpu_max"])
     # After the runtime's update the unit holds a cpuset again; the second pod's CPUs must
     # not come back with a reload either (in the cgroup, and in what systemd holds).
     both = exclusive | _cpus(facts["second_first_line"])

@@ -49,6 +49,7 @@ def _state(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
         "files": files_of(unit),
         "allowed_cpus": unit_property(unit, "AllowedCPUs"),
         "cpuset_cpus": _read(directory / "cpuset.cpus"),
+        "cpu_max": _read(directory / "cpu.max"),
         "holds_cpuset": holds_cpuset(unit),  # the daemon's reading of the files above
     }
 
