@@ -35,7 +35,7 @@ from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover
 from ..core.workload import Workload
-from ..hardware.irq_keeper import Roots
+from ..hardware.interrupts.keeper import Roots
 from ..hardware.liveness import Liveness
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit

@@ -305,11 +305,12 @@ class Hook:
         self.records.remove(dir_fd, sorted((view.records.keys() | view.unusable.keys()) - keep))
 
     def _keep_irqs_free(self, engine: Engine, state: NodeState) -> tuple[AuditEvent, ...]:
-        """Interrupts in line with the committed state (irq_keeper.py), when anything is to do."""
+        """Interrupts in line with the committed state (hardware/interrupts/keeper.py), when
+        anything is to do."""
         held = state.irqs or any(a.irq_free for a in state.assignments.values())
         if not held and not os.path.exists(self.options.proc + IRQBALANCE_ENV):
             return ()
-        from ..hardware import irq_keeper
+        from ..hardware.interrupts import keeper as irq_keeper
 
         def record(records: Mapping[int, IrqRecord]) -> None:
             nonlocal state

@@ -1,4 +1,4 @@
-"""The D-Bus wire format (nri_cpuplugin/hardware/dbus_wire.py, dbus_unmarshal.py, dbus_auth.py)
+"""The D-Bus wire format (nri_cpuplugin/hardware/systemd/: wire.py, unmarshal.py, auth.py)
 against the specification.
 
 Expected bytes are written out by hand from the specification's rules ("Message Format",
@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jeepney.low_level import Parser as JeepneyParser
 
-from nri_cpuplugin.hardware import dbus_wire as wire
-from nri_cpuplugin.hardware.dbus_auth import auth_external, auth_reply
-from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
-from nri_cpuplugin.hardware.dbus_wire import DBusWireError, Variant
+from nri_cpuplugin.hardware.systemd import wire
+from nri_cpuplugin.hardware.systemd.auth import auth_external, auth_reply
+from nri_cpuplugin.hardware.systemd.unmarshal import MessageReader
+from nri_cpuplugin.hardware.systemd.wire import DBusWireError, Variant
 
 
 def u32(n: int) -> bytes:

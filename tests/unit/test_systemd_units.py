@@ -1,4 +1,4 @@
-"""systemd units' cpusets over D-Bus (nri_cpuplugin/hardware/systemd_units.py), without a bus.
+"""systemd units' cpusets over D-Bus (nri_cpuplugin/hardware/systemd/units.py), without a bus.
 
 Unit names and bitmasks against runc's and systemd's rules; the sans-I/O conversation fed by
 hand; both clients against a scripted peer on a unix socket in a temporary directory that
@@ -25,15 +25,15 @@ from jeepney.low_level import Parser as JeepneyParser
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.daemon.units import SystemdUnits
-from nri_cpuplugin.hardware import dbus_wire as wire
-from nri_cpuplugin.hardware import systemd_units as su
 from nri_cpuplugin.hardware.cpusets import Target
-from nri_cpuplugin.hardware.dbus_auth import auth_external
-from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
-from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
-from nri_cpuplugin.hardware.systemd_units import SystemdError
-from nri_cpuplugin.hardware.unit_config import holds_cpuset
+from nri_cpuplugin.hardware.systemd import units as su
+from nri_cpuplugin.hardware.systemd import wire
+from nri_cpuplugin.hardware.systemd.auth import auth_external
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
+from nri_cpuplugin.hardware.systemd.conversation import WINDOW, Conversation, in_order
+from nri_cpuplugin.hardware.systemd.unit_config import holds_cpuset
+from nri_cpuplugin.hardware.systemd.units import SystemdError
+from nri_cpuplugin.hardware.systemd.unmarshal import MessageReader
 from nri_cpuplugin.ops.audit import Audit
 
 # --- unit names -------------------------------------------------------------------------------
@@ -828,7 +828,7 @@ def test_unit_files_that_cannot_be_seen_fail_safe_and_say_so(tmp_path) -> None:
     assert len([r for r in records if r.get("REASON") == "unit-files"]) == 1
 
 
-# --- what systemd holds for a unit (hardware/unit_config.py) ----------------------------------
+# --- what systemd holds for a unit (hardware/systemd/unit_config.py) --------------------------
 
 
 def _write(root: Path, path: str, text: str) -> None:

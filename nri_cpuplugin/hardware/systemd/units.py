@@ -17,16 +17,16 @@ Unit names come from the runtime (a container's cgroupsPath) and are checked aga
 unit name rules before they go on the bus.  Each unit's call ends in a ``UnitResult``: set, or
 why not and what to do.
 
-The calls are made on one pipelined connection (systemd_conversation.py, sans I/O) by the
-blocking client (systemd_client.py: the OCI hook, the daemon's worker thread).
+The calls are made on one pipelined connection (conversation.py, sans I/O) by the
+blocking client (client.py: the OCI hook, the daemon's worker thread).
 """
 
 from __future__ import annotations
 
 import os
 
-from ..base.errors import PluginError
-from . import dbus_wire as wire
+from ...base.errors import PluginError
+from . import wire
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:

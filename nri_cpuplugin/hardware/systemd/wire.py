@@ -1,14 +1,14 @@
 """The D-Bus wire format, sans I/O: its types and signatures, and values and messages marshalled
 into bytes.
 
-systemd's cgroup properties are set over D-Bus (``systemd_units.py``, docs/cgroups-and-hooks.md
+systemd's cgroup properties are set over D-Bus (``units.py``, docs/cgroups-and-hooks.md
 §21).  The messages are built and parsed here rather than with a D-Bus library: the OCI hook is
 a new process per container start, and the smallest library measured costs it several times
 what these modules do to import (docs/benchmarks.md, "D-Bus clients"; docs/architecture.md,
 "What we wrote ourselves").  Only what talking to systemd needs is here: the message header,
 the types ``y b n q i u x t d h s o g``, arrays (``ay`` as bytes), structs, dict entries and
 variants, on both byte orders; no file descriptor passing.  Messages are read back from bytes
-in dbus_unmarshal.py; the authentication that opens a connection is dbus_auth.py.
+in unmarshal.py; the authentication that opens a connection is auth.py.
 
 Layout (D-Bus specification, "Message Format"): a 12-byte fixed header {byte endianness ``l`` or
 ``B``, byte type, byte flags, byte protocol version 1, uint32 body length, uint32 serial}, then
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 
-from ..base.errors import PluginError
+from ...base.errors import PluginError
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
@@ -402,7 +402,7 @@ class Message:
         self.fields = fields
         self.body = body
 
-    # dbus_unmarshal reads each known field by its specified type (FIELD_TYPES): REPLY_SERIAL
+    # unmarshal.py reads each known field by its specified type (FIELD_TYPES): REPLY_SERIAL
     # is an int, the others str; the isinstance checks say so to the type checker.
 
     @property

@@ -8,7 +8,7 @@ A call sent on a working connection but unanswered at the deadline is *pending*,
 systemd works through a connection's calls in order and will apply it; its answer, when it
 comes, lands in ``late``, one per call in the order they came (a failure there is the
 caller's to act on; a connection that breaks answers each call still pending UNREACHABLE).
-Bytes go in and out and results land in batches: the client (systemd_client.py) only moves
+Bytes go in and out and results land in batches: the client (client.py) only moves
 the bytes and keeps the deadline.
 """
 
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import os
 
-from . import dbus_wire as wire
-from .dbus_auth import auth_external, auth_reply
-from .dbus_unmarshal import MessageReader
-from .systemd_units import (
+from . import wire
+from .auth import auth_external, auth_reply
+from .units import (
     FAILED,
     PENDING,
     TIMEOUT,
@@ -31,6 +30,7 @@ from .systemd_units import (
     masks,
     set_allowed_call,
 )
+from .unmarshal import MessageReader
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
