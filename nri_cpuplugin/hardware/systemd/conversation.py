@@ -18,6 +18,7 @@ import os
 
 from . import wire
 from .auth import auth_external, auth_reply
+from .message import Message, Serials, method_call
 from .units import (
     FAILED,
     PENDING,
@@ -95,7 +96,7 @@ class Conversation:
     def __init__(self, *, hello: bool, uid: int | None = None) -> None:
         self.hello = hello
         self.uid = os.geteuid() if uid is None else uid
-        self.serials = wire.Serials()
+        self.serials = Serials()
         self.reader = MessageReader(MAX_REPLY)
         self.authenticated = False
         self.name: str | None = None  # our unique name on the bus, once Hello is answered
@@ -117,7 +118,7 @@ class Conversation:
         if self.hello:
             serial = self.serials.next()
             self.in_flight[serial] = _HELLO
-            data += wire.method_call(
+            data += method_call(
                 serial, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
                 "Hello",
             )  # fmt: skip
@@ -175,7 +176,7 @@ class Conversation:
         except (wire.DBusWireError, SystemdError) as e:
             self.fail(UNREACHABLE, SystemdError(f"talking to systemd over D-Bus: {e}", "protocol"))
 
-    def _answer(self, message: wire.Message) -> None:
+    def _answer(self, message: Message) -> None:
         if message.type not in (wire.METHOD_RETURN, wire.ERROR):
             return  # signals (NameAcquired), calls: nothing we asked for
         serial = message.reply_serial or 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 
+from .message import Message
 from .wire import (
     FIELD_TYPES,
     FIXED,
@@ -23,7 +24,6 @@ from .wire import (
     SIGNAL,
     SIGNATURE,
     DBusWireError,
-    Message,
     Variant,
     alignment_of,
     parse_signature,
