@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from ..base.value import Value
 from .cpuset import EMPTY, CPUSet
+from .eligibility import eligibility
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
-from .policy import Decision, NICPreference, PolicyError, StaticPolicy
+from .placement import NICPreference
+from .policy import Decision, PolicyError, StaticPolicy
 from .state import Earmark, NodeState
 from .workload import Workload
 
@@ -311,7 +313,7 @@ class Engine:
         if held is None:
             if cid not in state.sharing:
                 return Outcome(state)  # not a container we place
-            if self.policy.eligibility(workload)[0] is None:
+            if eligibility(workload)[0] is None:
                 return self.update(state, cid)
             decision, new_state = self.policy.admit(state, workload)  # shared -> exclusive
         else:
@@ -558,7 +560,7 @@ def _place_eligible(
         if workload.container_id in state.assignments:
             continue
         try:
-            count = policy.eligibility(workload)[0]
+            count = eligibility(workload)[0]
         except PolicyError as err:
             notes.append(f"container {workload.container_id[:12]} shares: {err}")
             continue

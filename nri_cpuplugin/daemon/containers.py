@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
+from ..core.eligibility import describe, eligibility
 from ..core.engine import Outcome, Target
-from ..core.policy import PolicyError, StaticPolicy, describe
+from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware import nic
@@ -436,7 +437,7 @@ def _nic_locality(node: Node, event: ev.CreateContainer) -> nic.Locality | None:
     """Where the pod's NICs are, for exclusive candidates only (nobody else's CPUs are
     chosen): from the read made when the pod started (daemon/pod_nics.py), if any."""
     workload = event.workload
-    if node.policy.eligibility(workload)[0] is None:
+    if eligibility(workload)[0] is None:
         return None
     with node.progress.phase(NIC):
         read_ahead = node.pod_nics.lister_for(event.pod.sandbox_id, event.netns)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
+from ..core.eligibility import eligibility
 from ..core.engine import Engine, Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
@@ -185,7 +186,7 @@ class Node:
         """An exclusive candidate; so is one its annotations make the policy refuse (no answer
         but an error is right for it)."""
         try:
-            return self.policy.eligibility(workload)[0] is not None
+            return eligibility(workload)[0] is not None
         except PolicyError:
             return True
 

@@ -37,7 +37,8 @@ from ..base.errors import PluginError
 from ..base.value import Value
 from ..core import annotation
 from ..core.cpuset import CPUSet
-from ..core.policy import NICPreference, PolicyError
+from ..core.errors import PolicyError
+from ..core.placement import NICPreference
 from ..core.topology import Topology
 from . import rtnetlink
 

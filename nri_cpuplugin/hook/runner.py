@@ -30,6 +30,7 @@ from types import MappingProxyType
 from ..base.files import FileError
 from ..base.value import Value
 from ..core.cpuset import CPUSet
+from ..core.eligibility import eligibility
 from ..core.engine import Engine, LiveContainer, Loaded, Outcome
 from ..core.events import DEBUG, NOTICE, WARNING
 from ..core.policy import PolicyError, StaticPolicy
@@ -452,7 +453,7 @@ class Hook:
         as in the daemon (nic is imported only for these).  Bad annotations and a strict
         locality that cannot be inspected are refusals."""
         try:
-            if policy.eligibility(workload)[0] is None:
+            if eligibility(workload)[0] is None:
                 return None
             from ..hardware import nic
 

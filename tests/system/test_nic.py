@@ -15,7 +15,8 @@ from sysfs_gen import write_fake_device
 from topologies import build, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
+from nri_cpuplugin.core.placement import NICPreference
+from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import GUARANTEED, Workload
 from nri_cpuplugin.hardware import nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
