@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
 from ..core.eligibility import describe, eligibility
-from ..core.engine import Outcome, Target
+from ..core.outcome import Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.workload import Workload

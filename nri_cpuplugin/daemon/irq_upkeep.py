@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping
 
 from ..core import irq
 from ..core.cpuset import CPUSet
-from ..core.engine import Outcome
 from ..core.events import WARNING, AuditEvent, event
+from ..core.outcome import Outcome
 from ..core.state import IrqRecord
 from ..hardware.interrupts import keeper as irq_keeper
 from . import events as ev

@@ -31,7 +31,8 @@ from typing import Any
 
 from ..core.cpuset import CPUSet
 from ..core.eligibility import eligibility
-from ..core.engine import Engine, Outcome, Target
+from ..core.engine import Engine
+from ..core.outcome import Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover

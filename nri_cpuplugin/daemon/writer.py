@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Target
+from ..core.outcome import Target
 from ..hardware import cgroupfs, cpusets
 from ..hardware.cpuset_files import OpenCpusets
 from ..hardware.liveness import Liveness, cgroup_path

@@ -26,8 +26,8 @@ import os
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US
 from ..core.events import WARNING, AuditEvent, event
+from ..core.outcome import CFS_PERIOD_US
 from . import cgroupfs
 from .liveness import cgroup_path
 
@@ -70,7 +70,7 @@ class Target(Value):
     mems: CPUSet | None = None
     # CFS quota in microseconds per CFS_PERIOD_US, -1 for none; None leaves the quota alone.
     quota: int | None = None
-    mems_from_parent: bool = False  # (core/engine.Target)
+    mems_from_parent: bool = False  # (core/outcome.py Target)
 
 
 class Applied(Value):

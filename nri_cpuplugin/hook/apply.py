@@ -4,7 +4,8 @@ committed state, as one transaction."""
 from __future__ import annotations
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Target
+from ..core.engine import Engine
+from ..core.outcome import CFS_PERIOD_US, Target
 from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware import cgroupfs

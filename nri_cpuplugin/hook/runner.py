@@ -31,9 +31,11 @@ from ..base.files import FileError
 from ..base.value import Value
 from ..core.cpuset import CPUSet
 from ..core.eligibility import eligibility
-from ..core.engine import Engine, LiveContainer, Loaded, Outcome
+from ..core.engine import Engine
 from ..core.events import DEBUG, NOTICE, WARNING
+from ..core.outcome import Loaded, Outcome
 from ..core.policy import PolicyError, StaticPolicy
+from ..core.reconcile import LiveContainer
 from ..core.state import NodeState
 from ..core.workload import Workload, millicores_from_shares
 from ..hardware import cgroupfs

@@ -12,7 +12,7 @@ are written already, and only a later re-application of the unit by systemd woul
 from __future__ import annotations
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Target
+from ..core.outcome import Target
 from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS
 from .records import Record

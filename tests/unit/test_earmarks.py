@@ -19,8 +19,9 @@ from topologies import offline, topology
 from nri_cpuplugin.core import state as state_mod
 from nri_cpuplugin.core.annotation import EXCLUSIVE
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.engine import Engine, LiveContainer
+from nri_cpuplugin.core.engine import Engine
 from nri_cpuplugin.core.policy import StaticPolicy
+from nri_cpuplugin.core.reconcile import LiveContainer
 from nri_cpuplugin.core.state import Earmark, StateFormatError
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.daemon.adapter import pod_cpu_limit
