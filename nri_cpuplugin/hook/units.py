@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from ..core.cpuset import CPUSet
 from ..core.outcome import Target
-from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS
 from .records import Record
 
@@ -38,7 +37,7 @@ def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list
         mems = target.mems
         if mems is None and target.mems_from_parent:
             try:  # what the container got back: its pod's memory nodes, as a list
-                mems = cgroupfs.parent_mems(fs, path)
+                mems = fs.parent_mems(path)
             except CgroupError:
                 mems = None
         changes.append((unit, target.cpus, mems or None))
