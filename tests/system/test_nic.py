@@ -18,7 +18,7 @@ from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.placement import NICPreference
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import GUARANTEED, Workload
-from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.hardware import netns_links, nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.status import snapshot
@@ -192,8 +192,8 @@ def test_a_fifo_or_a_device_named_as_the_netns_is_refused_without_blocking(tmp_p
     fifo = tmp_path / "netns-fifo"
     os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
     for path in (str(fifo), "/dev/null"):
-        with pytest.raises(nic.NICError, match="not a network namespace"):
-            nic.netlink_socket(path)
+        with pytest.raises(netns_links.NICError, match="not a network namespace"):
+            netns_links.netlink_socket(path)
 
 
 def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
@@ -205,8 +205,8 @@ def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
 
     monkeypatch.setattr(nic, "_libc", no_fds)
     before = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(nic.NICError, match="Too many open files"):
-        nic.netlink_socket("/proc/self/ns/net")
+    with pytest.raises(netns_links.NICError, match="Too many open files"):
+        netns_links.netlink_socket("/proc/self/ns/net")
     assert len(os.listdir("/proc/self/fd")) == before
 
 
