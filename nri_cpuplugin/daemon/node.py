@@ -18,10 +18,10 @@ exclusive.  What changes outside a reply (a removal, CPU hotplug, the sweep) is 
 owed to the next reply that can carry it: never an unsolicited UpdateContainers, which
 deadlocks containerd (docs/architecture.md, "Changes outside event replies").
 
-What each event does is in the handler modules beside it, by subject: daemon/containers.py,
-daemon/pods.py, daemon/upkeep.py (``HANDLERS``); they change nothing the node does not own.
-The node runs on one thread at a time (the daemon's worker, daemon/deadline.py); methods named
-``query_*`` only read and may be called from the event loop.
+What each event does is in the handler modules beside it, by subject: daemon/creation.py,
+daemon/containers.py, daemon/pods.py, daemon/upkeep.py (``HANDLERS``); they change nothing the node
+does not own. The node runs on one thread at a time (the daemon's worker, daemon/deadline.py);
+methods named ``query_*`` only read and may be called from the event loop.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import NoMetrics
 from ..storage.store import Expected, StateStore
-from . import containers, earmarks, irq_upkeep, pods, upkeep
+from . import containers, creation, earmarks, irq_upkeep, pods, upkeep
 from . import events as ev
 from .background import Background, Inline
 from .effects import NO_EFFECTS, Deliver, Effects, keep
@@ -320,7 +320,7 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.RunPodSandbox: pods.run_pod,
     ev.RemovePodSandbox: pods.remove_pod,
     ev.UpdatePodSandbox: pods.update_pod,
-    ev.CreateContainer: containers.create,
+    ev.CreateContainer: creation.create,
     ev.StartContainer: containers.start,
     ev.UpdateContainer: containers.update,
     ev.UpdatedContainer: containers.after_update,
