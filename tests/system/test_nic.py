@@ -203,7 +203,7 @@ def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
     def no_fds():
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(nic, "_libc", no_fds)
+    monkeypatch.setattr(netns_links, "_libc", no_fds)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(netns_links.NICError, match="Too many open files"):
         netns_links.netlink_socket("/proc/self/ns/net")
