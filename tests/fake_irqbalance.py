@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware.irq import parse_mask
+from nri_cpuplugin.hardware.interrupts.affinity import parse_mask
 
 REQUEST = "settings cpus "
 
@@ -36,7 +36,7 @@ def short_root() -> Iterator[Path]:
 
 class FakeIrqbalance:
     """irqbalance running beside a generated sysfs: /proc, /run next to it, as the daemon
-    finds them (hardware/irq_keeper.py ``Roots.beside``)."""
+    finds them (hardware/interrupts/keeper.py ``Roots.beside``)."""
 
     def __init__(self, sysfs: Path, unit_env: dict[str, str] | None = None) -> None:
         top = sysfs.parent

@@ -1,6 +1,6 @@
 """FAKE systemd's D-Bus side, for the model (tests/model_runtime.py) with the daemon's real
 ``SystemdUnits`` (daemon/units.py): ``ModelClient`` stands in place of the D-Bus client
-(hardware/systemd_client.py) and talks to ``DBusSystemd``, the model's FAKE systemd, which
+(hardware/systemd/client.py) and talks to ``DBusSystemd``, the model's FAKE systemd, which
 applies each ``SetUnitProperties`` to its scope (the property kept, the cgroup written; a
 release keeps none) and keeps each scope's unit files as systemd does (the transient unit as
 runc created it, a drop-in per property set since), where the daemon reads them.
@@ -21,8 +21,8 @@ from fake_cgroup_v1 import FakeCgroupV1
 from model_runtime import FakeSystemd
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import systemd_units as su
-from nri_cpuplugin.hardware.systemd_units import SystemdError, UnitResult
+from nri_cpuplugin.hardware.systemd import units as su
+from nri_cpuplugin.hardware.systemd.units import SystemdError, UnitResult
 
 PREFIX, SUFFIX = "cri-containerd-", ".scope"
 CLOSED = SystemdError("systemd's D-Bus connection failed: Broken pipe (a re-exec)", "closed")
@@ -116,7 +116,7 @@ class DBusSystemd(FakeSystemd):
 
 
 class ModelClient:
-    """The D-Bus client's place (hardware/systemd_client.py ``SystemdClient``) on FAKE D-Bus."""
+    """The D-Bus client's place (hardware/systemd/client.py ``SystemdClient``) on FAKE D-Bus."""
 
     def __init__(self, systemd: DBusSystemd) -> None:
         self.systemd = systemd

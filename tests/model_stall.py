@@ -38,7 +38,7 @@ from typing import Any
 from nri_cpuplugin.base import files
 from nri_cpuplugin.daemon.progress import STATE_LOCK
 from nri_cpuplugin.daemon.worker import Job, Worker
-from nri_cpuplugin.hardware import irq
+from nri_cpuplugin.hardware.interrupts import affinity as irq
 from nri_cpuplugin.storage.store import StateStore
 
 TICK = 0.0005  # how often a condition is looked at
@@ -125,9 +125,9 @@ class Stall:
 
 
 class SlowIrqWrites:
-    """Each interrupt affinity write (hardware/irq.py ``write``, what the daemon calls for every
-    one) takes ``cost`` seconds of this clock (see the module text).  Patched in until
-    ``close``; while ``held``, a write waits for a request to wait for its answer."""
+    """Each interrupt affinity write (hardware/interrupts/affinity.py ``write``, what the daemon
+    calls for every one) takes ``cost`` seconds of this clock (see the module text).  Patched in
+    until ``close``; while ``held``, a write waits for a request to wait for its answer."""
 
     def __init__(self, cost: float) -> None:
         self.cost = cost

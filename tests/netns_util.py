@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.hardware import netns_links
 
 NETNS_DIR = Path("/var/run/netns")
 
@@ -79,9 +79,9 @@ def pod_netns() -> Iterator[PodNetns]:
         pyroute2_netns.remove(ns.name)
 
 
-def host_nic() -> nic.Link:
+def host_nic() -> netns_links.Link:
     """The host's first interface with a parent device (this machine: eth0 on virtio)."""
-    links, _ = nic.list_links(None)
+    links, _ = netns_links.list_links(None)
     for link in links:
         if link.parent_dev and link.parent_bus and not link.loopback:
             return link

@@ -1,7 +1,7 @@
-"""A generated /proc for interrupts (the FAKE kernel side of hardware/irq.py): ``irq/<n>/
-smp_affinity_list`` for each interrupt, ``irq/default_smp_affinity``, and the ``interrupts``
-table naming each one's handlers.  Put beside a generated sysfs tree (``Roots.beside``), it is
-what the daemon reads and writes instead of the host's."""
+"""A generated /proc for interrupts (the FAKE kernel side of hardware/interrupts/affinity.py):
+``irq/<n>/smp_affinity_list`` for each interrupt, ``irq/default_smp_affinity``, and the
+``interrupts`` table naming each one's handlers.  Put beside a generated sysfs tree
+(``Roots.beside``), it is what the daemon reads and writes instead of the host's."""
 
 from __future__ import annotations
 

@@ -5,24 +5,28 @@
     NRI daemon:  commit state, reply with targets as adjustment + container updates
     OCI hook:    commit state, write targets to cgroupfs
 
-An event is a container created, stopped, ended unseen, updated or resized in place; a pod
-removed; the runtime's list of live containers (synchronize); the online CPUs changed; the
-stored state loaded.  The
-engine answers with an ``Outcome``: the new state (the caller commits it *before* applying
-anything, so a crash can lose an effect but never a decision), the decision for a created
+An event is a container created, stopped, ended unseen, updated or resized in place; a pod removed;
+the runtime's list of live containers (synchronize); the online CPUs changed; the stored state
+loaded.  The engine answers with an ``Outcome``: the new state (the caller commits it *before*
+applying anything, so a crash can lose an effect but never a decision), the decision for a created
 container, the cpuset/mems/quota ``Target`` of every container whose cgroup must change, and the
-audit events that explain it.  Pure: it reads no file and touches no cgroup, so every rule is
-tested with plain values (tests/unit/test_engine.py).
+audit events that explain it (outcome.py).  Rebuilding the state from the runtime's list of what
+runs is reconcile.py's.  Pure: it reads no file and touches no cgroup, so every rule is tested with
+plain values (tests/unit/test_engine.py).
 
-``StaticPolicy.admit`` is called from this module only: every placement goes through here.
+``StaticPolicy.admit`` is called from this module and reconcile.py only: every placement goes
+through the engine.
 """
 
 from __future__ import annotations
 
-from ..base.value import Value
 from .cpuset import EMPTY, CPUSet
+from .eligibility import eligibility
 from .events import DEBUG, ERR, INFO, NOTICE, WARNING, AuditEvent, event
-from .policy import Decision, NICPreference, PolicyError, StaticPolicy
+from .outcome import CFS_PERIOD_US, UNLIMITED, Loaded, Outcome, Target, in_pool
+from .placement import NICPreference
+from .policy import Decision, PolicyError, StaticPolicy
+from .reconcile import LiveContainer, reconcile
 from .state import Earmark, NodeState
 from .workload import Workload
 
@@ -31,68 +35,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from .follow import Followed
-
-CFS_PERIOD_US = 100_000  # kubelet's CFS period: a degraded container's quota is count * this
-UNLIMITED = -1  # a CFS quota of -1 lifts the limit
-
-
-class Target(Value):
-    """What one container's cgroup must say."""
-
-    container_id: str
-    cpus: CPUSet
-    mems: CPUSet | None = None  # NUMA nodes of exclusive CPUs; None: left as it is
-    quota: int | None = None  # CFS quota (us per CFS_PERIOD_US); UNLIMITED; None: left alone
-    exclusive: bool = False
-    # Held exclusive CPUs until now: its memory nodes (``mems``, the NUMA nodes of those CPUs)
-    # go back to its parent cgroup's, which are what a shared container is created with.
-    mems_from_parent: bool = False
-
-
-def _in_pool(cid: str, shared: CPUSet) -> Target:
-    """``Target(cid, shared)``, built without the generic constructor's checks: a creation on
-    a dense node makes one per shared container (about a third of its decision at 100)."""
-    target = object.__new__(Target)
-    target.__dict__.update(Target._defaults, container_id=cid, cpus=shared)
-    return target
-
-
-class Outcome(Value):
-    state: NodeState
-    decision: Decision | None = None
-    targets: tuple[Target, ...] = ()
-    events: tuple[AuditEvent, ...] = ()
-
-    def then(self, later: Outcome) -> Outcome:
-        """This outcome followed by ``later`` (computed on this one's state): later targets win."""
-        targets = {t.container_id: t for t in self.targets}
-        targets.update((t.container_id, t) for t in later.targets)
-        return Outcome(
-            later.state,
-            later.decision or self.decision,
-            tuple(targets.values()),
-            self.events + later.events,
-        )
-
-
-class Loaded(Value):
-    """The stored state made usable: followed to the online CPUs, checked, normalised."""
-
-    state: NodeState
-    trusted: bool  # the stored state was used (False: an empty state to rebuild on)
-    set_aside: bool  # the stored file must be moved aside: this policy cannot honour it
-    followed: Followed | None  # the online CPUs changed since it was committed
-    events: tuple[AuditEvent, ...]
-
-
-class LiveContainer(Value):
-    workload: Workload
-    cpus: CPUSet  # what it runs on now (empty when unknown)
-
-
-class Reconciled(Value):
-    state: NodeState
-    notes: tuple[str, ...]  # one line per change, for the audit trail
 
 
 class Engine:
@@ -132,7 +74,7 @@ class Engine:
         ids.discard(exclude)
         shared = state.shared
         return tuple(
-            self.target(state, cid) if cid in held else _in_pool(cid, shared) for cid in sorted(ids)
+            self.target(state, cid) if cid in held else in_pool(cid, shared) for cid in sorted(ids)
         )
 
     def _moved(self, before: NodeState, after: NodeState, exclude: str = "") -> tuple[Target, ...]:
@@ -311,7 +253,7 @@ class Engine:
         if held is None:
             if cid not in state.sharing:
                 return Outcome(state)  # not a container we place
-            if self.policy.eligibility(workload)[0] is None:
+            if eligibility(workload)[0] is None:
                 return self.update(state, cid)
             decision, new_state = self.policy.admit(state, workload)  # shared -> exclusive
         else:
@@ -483,102 +425,3 @@ def _nic_event(
         mems=decision.mems,
         **workload.identity(),
     )
-
-
-def reconcile(
-    policy: StaticPolicy,
-    state: NodeState,
-    live: Iterable[LiveContainer],
-    live_pods: Iterable[str],
-) -> Reconciled:
-    """Rebuild the state from the runtime's truth plus what the state file remembers.
-
-    Used when the runtime lists everything it runs (NRI Synchronize) and whenever the stored state
-    could not be trusted.  Pure: live containers and a state in, a consistent state and a list of
-    what changed out.  The rules, in order:
-
-    1. An assignment whose container is no longer live is dropped (it stopped while we were away).
-    2. What stopped containers are remembered by is kept only for pods that still exist.
-    3. A live container that keeps its assignment keeps its CPUs.
-    4. An eligible live container without one (created while we were away, or the state file was
-       lost) keeps the CPUs it already runs on when they are exactly its request and free -
-       nothing moves under a running workload - or else is placed like a new container.
-    5. Everything else runs in the shared pool.
-    """
-    live = list(live)
-    notes: list[str] = []
-    state = _forget_gone(policy, state, live, set(live_pods), notes)
-    state = _place_eligible(policy, state, live, notes)
-    sharing = {
-        c.workload.container_id: c.workload.pod_uid
-        for c in live
-        if c.workload.container_id not in state.assignments
-    }
-    cgroups = {
-        c.workload.container_id: c.workload.cgroup_path for c in live if c.workload.cgroup_path
-    }
-    state = state.evolve(sharing=sharing, cgroups=cgroups)
-    return Reconciled(policy.normalized(state), tuple(notes))
-
-
-def _forget_gone(
-    policy: StaticPolicy,
-    state: NodeState,
-    live: list[LiveContainer],
-    live_pods: set[str],
-    notes: list[str],
-) -> NodeState:
-    """reconcile's rules 1-3: assignments of containers no longer live dropped, stopped
-    containers' CPUs and earmarks remembered only for pods that still exist, the rest kept;
-    nothing shares until the live containers say so."""
-    live_ids = {c.workload.container_id for c in live}
-    pods = live_pods | {c.workload.pod_uid for c in live}
-    kept = {}
-    for cid, assignment in state.assignments.items():
-        if cid in live_ids:
-            kept[cid] = assignment
-        else:
-            notes.append(f"dropped {assignment.cpus} of container {cid[:12]} (no longer running)")
-    released = {key: r for key, r in state.released.items() if key[0] in pods}
-    earmarks = {uid: e for uid, e in state.earmarks.items() if uid in pods}
-    for uid in state.earmarks.keys() - earmarks.keys():
-        notes.append(f"dropped CPUs {state.earmarks[uid].cpus} earmarked for gone pod {uid}")
-    state = state.evolve(assignments=kept, released=released, sharing={}, earmarks=earmarks)
-    return state.evolve(shared=policy.shared_pool(state.exclusive))
-
-
-def _place_eligible(
-    policy: StaticPolicy, state: NodeState, live: list[LiveContainer], notes: list[str]
-) -> NodeState:
-    """reconcile's rule 4.  Adopt first, so that containers already on their own CPUs are not
-    displaced by newcomers placed anew; then place the rest in a stable order."""
-    waiting = []
-    for container in sorted(live, key=lambda c: c.workload.container_id):
-        workload = container.workload
-        if workload.container_id in state.assignments:
-            continue
-        try:
-            count = policy.eligibility(workload)[0]
-        except PolicyError as err:
-            notes.append(f"container {workload.container_id[:12]} shares: {err}")
-            continue
-        if count is None:
-            continue
-        adopted = policy.adopt(state, workload, container.cpus)
-        if adopted is not None:
-            state = adopted
-            notes.append(f"adopted {container.cpus} already used by {_name_of(workload)}")
-        else:
-            waiting.append(workload)
-    for workload in waiting:
-        try:
-            decision, state = policy.admit(state, workload)
-        except PolicyError as err:
-            notes.append(f"{_name_of(workload)} left in the shared pool: {err}")
-            continue
-        notes.append(f"placed {_name_of(workload)} on {decision.cpus}")
-    return state
-
-
-def _name_of(workload: Workload) -> str:
-    return f"container {workload.container_name!r} ({workload.container_id[:12]})"

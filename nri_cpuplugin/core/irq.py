@@ -8,8 +8,8 @@ is recorded (``NodeState.irqs``) before anything is written, and given back - on
 only where still online - when no container needs those CPUs kept free: changes others made
 meanwhile (irqbalance's) stay.
 
-Pure: the front ends read /proc/irq (hardware/irq.py), plan here, commit the records, then
-write.  Every step can run again after a crash and comes to the same masks.
+Pure: the front ends read /proc/irq (hardware/interrupts/affinity.py), plan here, commit the
+records, then write.  Every step can run again after a crash and comes to the same masks.
 """
 
 from __future__ import annotations

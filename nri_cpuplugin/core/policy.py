@@ -10,13 +10,10 @@ Pools (every online CPU is in exactly one role):
 * shared    - the rest: every non-exclusive container runs here.  It is never allowed to become
   empty.
 
-Eligibility follows kubelet: a Guaranteed container with an integer CPU request.  Annotations
-(set by any pod author, so untrusted) can opt a container *out*, or steer an eligible one to
-isolated CPUs; they never grant CPUs to a container that is not entitled to them.
-
-NIC locality (nic.py finds the NUMA nodes of a pod's network interfaces) is a preference among
-the CPUs a container is entitled to: its exclusive CPUs come from those nodes whenever they have
-enough free CPUs.  "Strict" (asked by annotation) turns the preference into a condition.
+Who is entitled to exclusive CPUs (a Guaranteed container with an integer CPU request; what
+annotations may change) is eligibility.py's; where an entitled container's CPUs come from (a
+restart's previous CPUs, its pod's earmark, near its NICs) is placement.py's.  This module
+keeps the pools and the state's books: admit, earmark, release, forget.
 
 CPU hotplug (``follow.py``): a CPU that goes offline leaves every pool; an exclusive
 container that held it gets a free replacement (same NUMA node, then same socket, then any) or
@@ -30,33 +27,24 @@ state before any effect is applied.
 from __future__ import annotations
 
 from ..base.value import Value
-from . import annotation
+from . import placement
 from .allocator import STRICT_CPU_RESERVATION, AllocationError, Allocator, reserve_by_count
 from .cpuset import EMPTY, CPUSet
+from .eligibility import describe, eligibility, wants_irq_free
 from .errors import PolicyError
+from .placement import NICPreference
 from .state import Assignment, Earmark, NodeState, Released
 from .topology import Topology
-from .workload import GUARANTEED, Workload
+from .workload import Workload
 
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    # Where a container's CPUs may come from: (exact: this set or nothing, CPUs, why).
-    _Source = tuple[bool, CPUSet, str]
-
 POLICY_NAME = "static"
 # Remembered stops (for restarts and init containers' CPUs): far more than the containers of a
 # dense node's pods restarting at once, small enough that every commit stays cheap.
 MAX_RELEASED = 512
-
-
-class NICPreference(Value):
-    """Where a container's network interfaces are attached (built by nic.py)."""
-
-    nodes: CPUSet  # NUMA nodes of the NICs; empty means no preference
-    strict: bool = False  # fail the creation rather than place the CPUs elsewhere
-    nics: tuple[str, ...] = ()  # one description per NIC, for the audit trail and status
 
 
 class Decision(Value):
@@ -211,7 +199,7 @@ class StaticPolicy:
             return decision, state
         state = self._supersede(state, workload)
         shared = self.shared_pool(state.exclusive)
-        count, why, isolated = self.eligibility(workload)
+        count, why, isolated = eligibility(workload)
         state = _track_cgroup(state, workload)
         if count is None:
             state = state.evolve(sharing={**state.sharing, workload.container_id: workload.pod_uid})
@@ -220,7 +208,11 @@ class StaticPolicy:
                 workload.container_id, False, state.shared, CPUSet(), before, state.shared, why
             )
             return decision, state
-        cpus, how = self._choose(state, workload, count, isolated, nic, unavailable)
+        free = self.free_exclusive(state, isolated) - unavailable
+        near = self.node_cpus(nic.nodes) if nic is not None and nic.nodes else None
+        cpus, how = placement.choose(
+            self.allocator, state, workload, count, isolated, free, unavailable, nic, near
+        )
         if not self.shared_pool(state.exclusive | cpus):
             raise PolicyError(
                 f"{describe(workload)} asks for {count} exclusive CPUs: granting {cpus} would "
@@ -321,7 +313,7 @@ class StaticPolicy:
             nic_nodes=nic.nodes if nic is not None else CPUSet(),
             nics=nic.nics if nic is not None else (),
             nic_strict=bool(nic is not None and nic.strict and nic.nodes),
-            irq_free=self.wants_irq_free(workload),
+            irq_free=wants_irq_free(workload, self.irq_free_all),
         )
         sharing = {k: v for k, v in state.sharing.items() if k != workload.container_id}
         new_state = state.evolve(
@@ -352,160 +344,10 @@ class StaticPolicy:
     def adopt(self, state: NodeState, workload: Workload, cpus: CPUSet) -> NodeState | None:
         """Record CPUs an eligible container already runs on (found live after a restart), if
         they are exactly its request and still free; None if it must be placed anew."""
-        count, _, isolated = self.eligibility(workload)
+        count, _, isolated = eligibility(workload)
         if count is None or len(cpus) != count or not cpus <= self.free_exclusive(state, isolated):
             return None
         return self._assign(state, workload, cpus)
-
-    def wants_irq_free(self, workload: Workload) -> bool:
-        """Whether the container's exclusive CPUs are kept free of device interrupts: node-wide
-        (``[irq] keep_off_exclusive``), or asked by its pod (our annotation, or CRI-O's)."""
-        asked = _annotation_flag(workload, annotation.IRQ_FREE)
-        if asked is not None:
-            return asked
-        crio = workload.annotations.get(annotation.CRIO_IRQ, "").strip().lower()
-        return self.irq_free_all or crio in annotation.CRIO_IRQ_OFF
-
-    def eligibility(self, workload: Workload) -> tuple[int | None, str, bool]:
-        """(exclusive CPU count or None, why, from isolated CPUs?)."""
-        opt_out = _annotation_flag(workload, annotation.EXCLUSIVE)
-        wants_isolated = _annotation_flag(workload, annotation.ISOLATED) is True
-        _annotation_flag(workload, annotation.IRQ_FREE)  # a bad value is refused now
-        if workload.qos != GUARANTEED:
-            return None, f"{workload.qos} QoS shares", False
-        count = workload.integer_cpus
-        if count is None:
-            return (
-                None,
-                f"guaranteed with {workload.cpu_request_milli}m (not whole CPUs) shares",
-                False,
-            )
-        limit = workload.cpu_limit_milli
-        if limit is not None and limit != workload.cpu_request_milli:
-            # kubelet's Guaranteed means limit == request; an in-place update that breaks it
-            # makes the container Burstable-shaped (its QoS class cannot change in place).
-            return None, f"CPU limit {limit}m differs from request (Burstable-shaped) shares", False
-        if opt_out is False:
-            lifted = workload.annotations.get(annotation.CRIO_CPU_QUOTA)
-            if lifted in annotation.CRIO_QUOTA_LIFTED:
-                # CRI-O would lift the quota of exactly such a container, and in the shared
-                # pool a container without a quota can take the whole pool from the others.
-                key = annotation.name_of(
-                    workload.annotations, annotation.EXCLUSIVE, workload.container_name
-                )
-                raise PolicyError(
-                    f"{describe(workload)} is opted out of exclusive CPUs ({key}=false) but "
-                    "its pod asks CRI-O to lift its CFS quota "
-                    f"({annotation.CRIO_CPU_QUOTA}={lifted}): a shared container without a "
-                    "quota could take the whole shared pool; drop one of the two annotations",
-                    "bad-annotation",
-                )
-            return None, f"opted out by {annotation.EXCLUSIVE}", False
-        return count, f"guaranteed with {count} whole CPUs", wants_isolated
-
-    def _choose(
-        self,
-        state: NodeState,
-        workload: Workload,
-        count: int,
-        isolated: bool,
-        nic: NICPreference | None = None,
-        unavailable: CPUSet = EMPTY,
-    ) -> tuple[CPUSet, str]:
-        """``count`` CPUs for an eligible container and why these: the first of its sources
-        (``_sources``) that has room, near its NICs when it has any."""
-        free, options = self._sources(state, workload, count, isolated, unavailable)
-        strict = nic is not None and bool(nic.nodes) and nic.strict
-        if nic is not None and nic.nodes:
-            options = self._near_nics(options, nic)
-        chosen, last_error = self._first_fit(options, free, count)
-        if chosen is not None:
-            return chosen
-        if strict and nic is not None:
-            raise self._no_room_near_nics(workload, count, isolated, free, nic)
-        pool = "isolated CPUs" if isolated else "CPUs"
-        reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
-        raise PolicyError(
-            f"{describe(workload)} asks for {count} exclusive {pool}; free for exclusive use: "
-            f"{free or 'none'} ({len(free)}): {reason}"
-        )
-
-    def _first_fit(
-        self, options: list[_Source], free: CPUSet, count: int
-    ) -> tuple[tuple[CPUSet, str] | None, AllocationError | None]:
-        """The CPUs of the first source with room and why; else None and the last
-        allocator error."""
-        last_error: AllocationError | None = None
-        for exact, cpus, why in options:
-            if exact:
-                if cpus <= free:
-                    return (cpus, why), None
-                continue
-            if len(cpus) < count and cpus is not free:
-                continue  # too small to try; the whole free pool is always tried (its error)
-            try:
-                return (self.allocator.allocate(cpus, count), why), None
-            except AllocationError as err:
-                last_error = err
-        return None, last_error
-
-    def _sources(
-        self,
-        state: NodeState,
-        workload: Workload,
-        count: int,
-        isolated: bool,
-        unavailable: CPUSet,
-    ) -> tuple[CPUSet, list[_Source]]:
-        """The free CPUs, and where a container's CPUs come from in order of preference: its
-        previous CPUs (a restart), its pod's earmark, its pod's finished init containers'
-        CPUs, then any free CPUs.  A source is (exact: the set itself or nothing, CPUs, why)."""
-        free = self.free_exclusive(state, isolated) - unavailable
-        mark = state.earmarks.get(workload.pod_uid)
-        marked = mark.cpus - unavailable if mark is not None and not isolated else CPUSet()
-        free |= marked  # the pod's own
-        previous = state.released.get((workload.pod_uid, workload.container_name))
-        reusable = free & CPUSet().union(
-            *(
-                r.cpus
-                for (uid, _), r in state.released.items()
-                if uid == workload.pod_uid and r.kind == "init"
-            )
-        )
-        options: list[_Source] = []
-        if previous is not None and len(previous.cpus) == count:
-            options.append((True, previous.cpus, "restarted container got its previous CPUs back"))
-        if len(marked) >= count:
-            options.append((False, marked, "earmarked for its pod when the pod started"))
-        if workload.kind != "init":
-            options.append((False, reusable, "reused finished init containers' CPUs"))
-        options.append((False, free, "allocated by topology"))
-        return free, options
-
-    def _near_nics(self, options: list[_Source], nic: NICPreference) -> list[_Source]:
-        """The sources narrowed to the NICs' NUMA nodes: instead of the others when locality
-        is strict, before them otherwise."""
-        near = self.node_cpus(nic.nodes)
-        where = f"next to its NICs on NUMA {nic.nodes}"
-        local = [
-            (exact, cpus if exact else cpus & near, f"{why}, {where}")
-            for exact, cpus, why in options
-            if not exact or cpus <= near
-        ]
-        return local if nic.strict else local + options
-
-    def _no_room_near_nics(
-        self, workload: Workload, count: int, isolated: bool, free: CPUSet, nic: NICPreference
-    ) -> PolicyError:
-        pool = "isolated CPUs" if isolated else "CPUs"
-        near_free = free & self.node_cpus(nic.nodes)
-        return PolicyError(
-            f"{describe(workload)} asks for {count} exclusive {pool} on NUMA {nic.nodes}, "
-            f"where its NICs are ({'; '.join(nic.nics) or 'named by annotation'}), and NIC "
-            f"locality is strict: free there: {near_free or 'none'} ({len(near_free)}); free "
-            f"elsewhere: {(free - near_free) or 'none'}; relax the locality annotation or "
-            "free CPUs on that node"
-        )
 
     def node_cpus(self, nodes: Iterable[int]) -> CPUSet:
         numa = self.topology.numa_nodes
@@ -582,13 +424,3 @@ def _track_cgroup(state: NodeState, workload: Workload) -> NodeState:
     if not workload.cgroup_path:
         return state
     return state.evolve(cgroups={**state.cgroups, workload.container_id: workload.cgroup_path})
-
-
-def describe(workload: Workload) -> str:
-    """The container as a message names it."""
-    pod = f"{workload.pod_namespace}/{workload.pod_name}" if workload.pod_name else workload.pod_uid
-    return f"container {workload.container_name!r} of pod {pod}"
-
-
-def _annotation_flag(workload: Workload, key: str) -> bool | None:
-    return annotation.flag(workload.annotations, key, workload.container_name, describe(workload))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from .allocator import AllocationError
 from .cpuset import CPUSet
+from .eligibility import describe, eligibility
 from .errors import PolicyError
-from .policy import Decision, StaticPolicy, describe
+from .policy import Decision, StaticPolicy
 from .state import Assignment, NodeState
 from .workload import Workload
 
@@ -35,7 +36,7 @@ def resize(
     state after it.  (A shared container that becomes eligible is placed like a new one by
     the engine.)"""
     cid = workload.container_id
-    count, why, isolated = policy.eligibility(workload)
+    count, why, isolated = eligibility(workload)
     before = policy.shared_pool(state.exclusive)
     if held.lost:
         raise PolicyError(

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, UNLIMITED, Target
+from ..core.outcome import CFS_PERIOD_US, UNLIMITED, Target
 from ..core.policy import PolicyError
 from ..core.workload import (
     GUARANTEED,

@@ -11,7 +11,8 @@ exclusive container moves nobody, however many containers the node runs
 from __future__ import annotations
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Engine, Target
+from ..core.engine import Engine
+from ..core.outcome import Target
 from ..core.state import NodeState
 from ..core.workload import Workload
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..base.value import Value
-from ..core.engine import Target
+from ..core.outcome import Target
 from .events import Owe, Release, Restore
 
 

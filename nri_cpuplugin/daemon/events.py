@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import Target
+from ..core.outcome import Target
 from ..core.state import NodeState
 from ..core.workload import Workload
 from ..hardware.hotplug import CPUEvent

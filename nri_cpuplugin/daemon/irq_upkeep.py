@@ -5,7 +5,7 @@ After each event whose outcome changed the kept-free CPUs (and at each rescan, a
 hotplug) the node queues one ``IrqWork``; an event that changes them again while it runs makes
 it plan again from where it is.  Its steps, each short:
 
-1. read /proc, ``SLICE_READS`` interrupts a step, and plan (hardware/irq_keeper.py ``Pass``),
+1. read /proc, ``SLICE_READS`` interrupts a step, and plan (hardware/interrupts/keeper.py ``Pass``),
    then commit the records of what the writes take **durably**, under the state lock.  When
    that commit fails (a full disk), no affinity is touched and irqbalance is not told: the
    work is retried at the next rescan (``IRQ_RESCAN``, set for it) or change of the kept-free
@@ -27,10 +27,10 @@ from collections.abc import Iterable, Mapping
 
 from ..core import irq
 from ..core.cpuset import CPUSet
-from ..core.engine import Outcome
 from ..core.events import WARNING, AuditEvent, event
+from ..core.outcome import Outcome
 from ..core.state import IrqRecord
-from ..hardware import irq_keeper
+from ..hardware.interrupts import keeper as irq_keeper
 from . import events as ev
 from .effects import NO_EFFECTS, Deliver, Effects, keep
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..core.policy import describe
+from ..core.eligibility import describe
 from ..core.state import NodeState
 from ..ops import audit as audit_mod
 from . import events as ev

@@ -18,10 +18,10 @@ exclusive.  What changes outside a reply (a removal, CPU hotplug, the sweep) is 
 owed to the next reply that can carry it: never an unsolicited UpdateContainers, which
 deadlocks containerd (docs/architecture.md, "Changes outside event replies").
 
-What each event does is in the handler modules beside it, by subject: daemon/containers.py,
-daemon/pods.py, daemon/upkeep.py (``HANDLERS``); they change nothing the node does not own.
-The node runs on one thread at a time (the daemon's worker, daemon/deadline.py); methods named
-``query_*`` only read and may be called from the event loop.
+What each event does is in the handler modules beside it, by subject: daemon/creation.py,
+daemon/containers.py, daemon/pods.py, daemon/upkeep.py (``HANDLERS``); they change nothing the node
+does not own. The node runs on one thread at a time (the daemon's worker, daemon/deadline.py);
+methods named ``query_*`` only read and may be called from the event loop.
 """
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Engine, Outcome, Target
+from ..core.eligibility import eligibility
+from ..core.engine import Engine
+from ..core.outcome import Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
 from ..core.topology import discover
 from ..core.workload import Workload
-from ..hardware.irq_keeper import Roots
+from ..hardware.interrupts.keeper import Roots
 from ..hardware.liveness import Liveness
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import NoMetrics
 from ..storage.store import Expected, StateStore
-from . import containers, earmarks, irq_upkeep, pods, upkeep
+from . import containers, creation, earmarks, irq_upkeep, pods, upkeep
 from . import events as ev
 from .background import Background, Inline
 from .effects import NO_EFFECTS, Deliver, Effects, keep
@@ -185,7 +187,7 @@ class Node:
         """An exclusive candidate; so is one its annotations make the policy refuse (no answer
         but an error is right for it)."""
         try:
-            return self.policy.eligibility(workload)[0] is not None
+            return eligibility(workload)[0] is not None
         except PolicyError:
             return True
 
@@ -318,7 +320,7 @@ HANDLERS: dict[type, Callable[[Node, Any, Deliver], Effects]] = {
     ev.RunPodSandbox: pods.run_pod,
     ev.RemovePodSandbox: pods.remove_pod,
     ev.UpdatePodSandbox: pods.update_pod,
-    ev.CreateContainer: containers.create,
+    ev.CreateContainer: creation.create,
     ev.StartContainer: containers.start,
     ev.UpdateContainer: containers.update,
     ev.UpdatedContainer: containers.after_update,

@@ -27,13 +27,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
-from ..hardware import nic
+from ..hardware import netns_links
 
-Listing = tuple[list[nic.Link], dict[int, nic.Link] | None]
+Listing = tuple[list[netns_links.Link], dict[int, netns_links.Link] | None]
 
 # How long a creation waits for its pod's read: as long as one netlink receive may take, so a
 # read stalled by the kernel (CNI holding its network lock) leaves the creation within budget.
-WAIT = nic.NETLINK_TIMEOUT
+WAIT = netns_links.NETLINK_TIMEOUT
 
 
 class _Read:
@@ -48,7 +48,9 @@ class _Read:
 class PodNICs:
     """Sandbox id -> the interfaces of its network namespace, read ahead (see the module text)."""
 
-    def __init__(self, lister: Callable[[str], Listing] = nic.list_links, limit: int = 4096):
+    def __init__(
+        self, lister: Callable[[str], Listing] = netns_links.list_links, limit: int = 4096
+    ):
         self.lister = lister
         self.limit = limit
         self._reads: dict[str, _Read] = {}
@@ -98,7 +100,7 @@ class PodNICs:
             return None
 
         def failed(_netns: str) -> Listing:
-            raise nic.NICError(error)
+            raise netns_links.NICError(error)
 
         return failed
 
@@ -120,7 +122,7 @@ class PodNICs:
             try:
                 if wanted:
                     read.listing = self.lister(read.netns)
-            except (nic.NICError, OSError) as err:  # reported by the creation, as its own
+            except (netns_links.NICError, OSError) as err:  # reported by the creation, as its own
                 read.error = str(err) or type(err).__name__
             except Exception:  # unexpected: the creation reads again, and reports what fails
                 pass

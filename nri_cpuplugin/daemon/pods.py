@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
-from ..core.engine import LiveContainer, Target
+from ..core.outcome import Target
+from ..core.reconcile import LiveContainer
 from ..core.state import Earmark
 from ..ops import audit as audit_mod
 from . import events as ev

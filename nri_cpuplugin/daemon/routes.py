@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..core.engine import Engine, Target
+from ..core.engine import Engine
+from ..core.outcome import Target
 from ..core.state import NodeState
 from ..hardware import cpusets
 from ..ops import audit as audit_mod

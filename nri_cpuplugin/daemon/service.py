@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import __version__
 from ..hardware import hotplug
-from ..hardware.systemd_units import bus_path
+from ..hardware.systemd.units import bus_path
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge

@@ -6,13 +6,13 @@ cgroup files were given (docs/cgroups-and-hooks.md §21).  runc gives a scope th
 container's spec; the daemon hands it over to the cgroup files once, the first time it changes
 that container: ``SetUnitProperties`` with the new cpuset (so a re-apply meanwhile puts the
 right one back), then with empty sets (systemd holds none from then on), both as runtime
-properties through systemd's D-Bus API (hardware/systemd_units.py).  From then on the unit is
+properties through systemd's D-Bus API (hardware/systemd/units.py).  From then on the unit is
 *bare*: the writer (daemon/writer.py) writes its cgroup files and systemd is not asked again -
 on a dense node, an exclusive container's start costs no call per shared container.  A unit is
 bare only once systemd has confirmed its release; until then every change to it is asked of
 systemd too.  A unit whose configuration holds no cpuset already (a container created with
 none in its spec, or handed over by an earlier run of the daemon) is bare from the start
-(hardware/unit_config.py); one whose configuration cannot be read is taken as holding one
+(hardware/systemd/unit_config.py); one whose configuration cannot be read is taken as holding one
 (asked, then released: never taken as bare, which a ``daemon-reload`` would undo), and that is
 said once.
 
@@ -42,10 +42,10 @@ from collections.abc import Callable
 
 from ..core.cpuset import CPUSet
 from ..hardware import cpusets
-from ..hardware import systemd_units as su
-from ..hardware.systemd_client import SystemdClient
-from ..hardware.systemd_units import SystemdError, UnitResult, unit_name
-from ..hardware.unit_config import holds_cpuset, unseen
+from ..hardware.systemd import units as su
+from ..hardware.systemd.client import SystemdClient
+from ..hardware.systemd.unit_config import holds_cpuset, unseen
+from ..hardware.systemd.units import SystemdError, UnitResult, unit_name
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 
@@ -64,7 +64,7 @@ LOST = (su.UNREACHABLE, su.TIMEOUT)  # not applied as far as we know: to be sent
 Change = tuple[str, CPUSet, CPUSet | None]  # unit, cpus, mems
 Item = tuple[str, Change]  # container id, change
 Outcome = tuple[str, UnitResult]  # container id, what became of its set
-NONE = CPUSet()  # a release: both sets empty (systemd_units.masks)
+NONE = CPUSet()  # a release: both sets empty (hardware/systemd/units.py masks)
 
 
 class HandOver:

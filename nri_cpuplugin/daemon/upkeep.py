@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Outcome
+from ..core.outcome import Outcome
 from ..core.policy import StaticPolicy
 from ..hardware.liveness import pinned_cpus
 from ..ops import audit as audit_mod

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Target
+from ..core.outcome import Target
 from ..hardware import cgroupfs, cpusets
 from ..hardware.cpuset_files import OpenCpusets
 from ..hardware.liveness import Liveness, cgroup_path
@@ -171,7 +171,7 @@ class CgroupWriter:
         try:
             with cgroupfs.CgroupFS(layout) as fs:
                 if runtime_path:
-                    return cgroupfs.parent_mems(fs, cgroup_path(runtime_path)) or None
+                    return fs.parent_mems(cgroup_path(runtime_path)) or None
                 name = "cpuset.mems.effective" if layout.version == cgroupfs.V2 else "cpuset.mems"
                 return CPUSet.parse(fs.read("cpuset", "/", name)) or None
         except (cgroupfs.CgroupError, ValueError):

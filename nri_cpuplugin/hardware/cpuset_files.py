@@ -1,7 +1,7 @@
 """The ``cpuset.cpus`` files of shared containers' cgroups, kept open between writes (cgroup v1).
 
 Creating an exclusive container writes every shared container's cgroup before the runtime is
-answered (daemon/containers.py), so on a dense node these writes are in the creation's critical
+answered (daemon/creation.py), so on a dense node these writes are in the creation's critical
 path.  Most of a write's cost is getting to the file: one confined open per path component
 (``kubepods/<qos>/pod<uid>/<container>``, never following a link), then the file itself.  With
 the file kept open, a write is one ``fstat`` of the kept directory (its link count says whether

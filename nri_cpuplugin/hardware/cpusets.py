@@ -11,7 +11,7 @@ it back; a cpuset left without CPUs has its tasks moved by the kernel to the nea
 that still has some (asynchronously, from a workqueue).  So after a change:
 
 * ancestors of our containers' cgroups must be grown top-down before a container can get a
-  returning CPU (``cgroupfs.set_cpuset`` does that for every write);
+  returning CPU (``cgroup_writes.set_cpuset`` does that for every write);
 * tasks the kernel evicted must be put back into their container's cpuset once it has CPUs
   again: they are found in the ancestors' ``cgroup.procs`` by their other controllers' cgroup
   (cpu, memory), which the kernel left where runc put them.
@@ -26,9 +26,9 @@ import os
 
 from ..base.value import Value
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US
 from ..core.events import WARNING, AuditEvent, event
-from . import cgroupfs
+from ..core.outcome import CFS_PERIOD_US
+from . import cgroup_writes, cgroupfs
 from .liveness import cgroup_path
 
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
@@ -70,7 +70,7 @@ class Target(Value):
     mems: CPUSet | None = None
     # CFS quota in microseconds per CFS_PERIOD_US, -1 for none; None leaves the quota alone.
     quota: int | None = None
-    mems_from_parent: bool = False  # (core/engine.Target)
+    mems_from_parent: bool = False  # (core/outcome.py Target)
 
 
 class Applied(Value):
@@ -102,15 +102,17 @@ def apply(
             resolved.append((bool(current - target.cpus), path, target))
         resolved.sort(key=lambda item: (not item[0], item[2].container_id))
         for _, path, target in resolved:
-            tx = cgroupfs.Transaction(fs)
+            tx = cgroup_writes.Transaction(fs)
             try:
                 with tx:
-                    cgroupfs.set_cpuset(tx, path, target.cpus, target.mems, target.mems_from_parent)
+                    cgroup_writes.set_cpuset(
+                        tx, path, target.cpus, target.mems, target.mems_from_parent
+                    )
                     # The runtime's cgroupfs driver uses one path in every hierarchy.
                     if target.quota is not None and target.quota < 0:
-                        cgroupfs.lift_quota(tx, path)
+                        cgroup_writes.lift_quota(tx, path)
                     elif target.quota is not None:
-                        cgroupfs.limit_quota(tx, path, target.quota, CFS_PERIOD_US)
+                        cgroup_writes.limit_quota(tx, path, target.quota, CFS_PERIOD_US)
                 if repair and layout.version == cgroupfs.V1:
                     moved = return_evicted_tasks(fs, path, proc)
                     if moved:
@@ -202,7 +204,7 @@ def _write_leaf(fs: cgroupfs.CgroupFS, target: Target, files: OpenCpusets | None
             return True
         # v2 never refuses a write; it applies the intersection with the ancestors.  What it
         # did not apply as written is put back and left to the general path.
-        with cgroupfs.Transaction(fs) as tx:
+        with cgroup_writes.Transaction(fs) as tx:
             tx.write("cpuset", path, "cpuset.cpus", str(target.cpus))
             if fs.cpus(path) != target.cpus:
                 tx.rollback()

@@ -1,12 +1,12 @@
 """The few rtnetlink messages NIC locality needs, as bytes in and out (no socket here).
 
-``nic.py`` asks the kernel for the links of a network namespace (RTM_GETLINK), one link by
+``netns_links.py`` asks the kernel for the links of a network namespace (RTM_GETLINK), one link by
 index, and the id under which a namespace knows ours (RTM_GETNSID).  The messages are built and
-parsed here rather than with pyroute2: the OCI hook, a new process per container start, needs
-these answers for every exclusive container of a pod with a network namespace, and importing
-pyroute2 (~165 ms: its package imports every submodule) costs more than the rest of the hook.
-Only the daemon's uevent listener (hotplug.py) uses pyroute2.  tests/system/test_rtnetlink.py
-checks this decoder against pyroute2's on real kernel answers (docs/cgroups-and-hooks.md §14).
+parsed here rather than with pyroute2: the OCI hook, a new process per container start, needs these
+answers for every exclusive container of a pod with a network namespace, and importing pyroute2
+(~165 ms: its package imports every submodule) costs more than the rest of the hook. Only the
+daemon's uevent listener (hotplug.py) uses pyroute2.  tests/system/test_rtnetlink.py checks this
+decoder against pyroute2's on real kernel answers (docs/cgroups-and-hooks.md §14).
 
 Layouts (linux/netlink.h, linux/rtnetlink.h, linux/if_link.h, linux/net_namespace.h), all in
 host byte order: ``nlmsghdr`` {u32 len, u16 type, u16 flags, u32 seq, u32 pid}; ``ifinfomsg``

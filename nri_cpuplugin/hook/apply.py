@@ -4,11 +4,13 @@ committed state, as one transaction."""
 from __future__ import annotations
 
 from ..core.cpuset import CPUSet
-from ..core.engine import CFS_PERIOD_US, Engine, Target
+from ..core.engine import Engine
+from ..core.outcome import CFS_PERIOD_US, Target
 from ..core.state import NodeState
 from ..core.workload import Workload
-from ..hardware import cgroupfs
-from ..hardware.cgroupfs import CgroupError, CgroupFS, Transaction
+from ..hardware import cgroup_writes
+from ..hardware.cgroup_writes import Transaction
+from ..hardware.cgroupfs import CgroupError, CgroupFS
 from .records import Record
 
 TYPE_CHECKING = False  # collections.abc is not imported at run time (the OCI hook's start-up)
@@ -102,15 +104,15 @@ def _write(tx: Transaction, plan: list[tuple[Record, Target]], current_id: str |
 
 def _place(tx: Transaction, record: Record, target: Target) -> bool:
     """Write the cpuset, and the CFS quota when the target sets one."""
-    changed = cgroupfs.set_cpuset(
+    changed = cgroup_writes.set_cpuset(
         tx, record.cgroups.cpuset, target.cpus, target.mems, target.mems_from_parent
     )
     quota = target.quota
     if quota is not None and record.cgroups.cpu is not None:
         if quota < 0:
-            changed |= cgroupfs.lift_quota(tx, record.cgroups.cpu)
+            changed |= cgroup_writes.lift_quota(tx, record.cgroups.cpu)
         else:
-            changed |= cgroupfs.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
+            changed |= cgroup_writes.limit_quota(tx, record.cgroups.cpu, quota, CFS_PERIOD_US)
     return changed
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 
 from ..core.cpuset import CPUSet
-from ..core.engine import LiveContainer
+from ..core.reconcile import LiveContainer
 from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS
 from . import oci

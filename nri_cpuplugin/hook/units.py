@@ -1,7 +1,7 @@
 """The hook's cpuset changes to containers of the systemd cgroup driver, made as systemd keeps
 them: after the cgroup files are written, each such container's scope gets the same CPUs (and
 memory nodes) as its ``AllowedCPUs``/``AllowedMemoryNodes`` through systemd's D-Bus API
-(hardware/systemd_units.py, systemd_client.py), so ``systemctl daemon-reload`` does not put an
+(hardware/systemd/units.py, client.py), so ``systemctl daemon-reload`` does not put an
 older cpuset back.
 
 The D-Bus client is imported only when a run changes a scope: on a cgroupfs node the hook's
@@ -12,8 +12,7 @@ are written already, and only a later re-application of the unit by systemd woul
 from __future__ import annotations
 
 from ..core.cpuset import CPUSet
-from ..core.engine import Target
-from ..hardware import cgroupfs
+from ..core.outcome import Target
 from ..hardware.cgroupfs import CgroupError, CgroupFS
 from .records import Record
 
@@ -38,7 +37,7 @@ def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list
         mems = target.mems
         if mems is None and target.mems_from_parent:
             try:  # what the container got back: its pod's memory nodes, as a list
-                mems = cgroupfs.parent_mems(fs, path)
+                mems = fs.parent_mems(path)
             except CgroupError:
                 mems = None
         changes.append((unit, target.cpus, mems or None))
@@ -50,8 +49,8 @@ def tell_systemd(changes: list[Change], setting: str) -> list[str]:
     be), for the audit trail."""
     if not changes:
         return []
-    from ..hardware import systemd_units as su  # only now: see the module docstring
-    from ..hardware.systemd_client import SystemdClient
+    from ..hardware.systemd import units as su  # only now: see the module docstring
+    from ..hardware.systemd.client import SystemdClient
 
     path = su.bus_path(setting)
     if path is None:

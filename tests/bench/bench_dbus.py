@@ -18,13 +18,13 @@ round so that the machine's noise falls on all of them alike:
   every answer awaited): the daemon's case.  *Client CPU* is the benchmark process's CPU time
   per call (``time.process_time``), the part of each figure that is the client's own work.
 
-The peer is a real ``dbus-daemon`` (Debian's, a private instance with the system bus's limits)
-with a FAKE systemd on it (tests/fake_systemd.py: systemd cannot run as PID 1 here), which
-answers every call; ours is also measured on the FAKE's peer-to-peer socket, the way systemd's
+The peer is a real ``dbus-daemon`` (Debian's, a private instance with the system bus's limits) with
+a FAKE systemd on it (tests/fake_systemd.py: systemd cannot run as PID 1 here), which answers every
+call; ours is also measured on the FAKE's peer-to-peer socket, the way systemd's
 ``/run/systemd/private`` is reached (no bus in between, no Hello).  Candidates: ours
-(``systemd_client`` on the sans-I/O ``systemd_conversation`` and ``dbus_*``), jeepney (pure
-Python, blocking API), dbus-fast (Cython, asyncio only) and sdbus (libsystemd's sd-bus,
-blocking calls; its pipelining through its asyncio API).
+(``hardware/systemd/client.py`` on the sans-I/O ``conversation.py``, ``wire.py`` and
+``unmarshal.py``), jeepney (pure Python, blocking API), dbus-fast (Cython, asyncio only) and sdbus
+(libsystemd's sd-bus, blocking calls; its pipelining through its asyncio API).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 from fake_systemd import MANAGER, PATH, SERVICE, FakeSystemd, PrivateBus
 
-from nri_cpuplugin.hardware import systemd_units
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
+from nri_cpuplugin.hardware.systemd import units as systemd_units
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
 
 from .stats import percentile, summary
 
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SITE = next(p for p in sys.path if p.endswith("site-packages"))
 # What each candidate's user imports to make the call (dbus-fast has no blocking API: asyncio).
 IMPORTS = {
-    "ours": "import nri_cpuplugin.hardware.systemd_client",  # what the OCI hook imports
+    "ours": "import nri_cpuplugin.hardware.systemd.client",  # what the OCI hook imports
     "jeepney": "import jeepney, jeepney.io.blocking",
     "dbus-fast": "import dbus_fast.aio",
     "sdbus": "import sdbus",

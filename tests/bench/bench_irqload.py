@@ -1,11 +1,11 @@
 """Decision latency while the daemon narrows and rescans thousands of interrupts (issue 43).
 
 The daemon as ``nri-cpuplugin run`` builds it (daemon/service.py), its NRI adapter called on an
-event loop as the stub calls it, on a generated 48-CPU node (sysfs) with a generated /proc
-beside it: ``IRQS`` changeable interrupts, each affinity write made to take ``WRITE_COST``
-(a write hook around hardware/irq.py ``write``: the FAKE slow kernel; the product has no test
-hook).  A stream of pod starts - RunPodSandbox, CreateContainer, StartContainer of Guaranteed
-and Burstable pods, the oldest removed as new ones come - runs on each side for the same time:
+event loop as the stub calls it, on a generated 48-CPU node (sysfs) with a generated /proc beside
+it: ``IRQS`` changeable interrupts, each affinity write made to take ``WRITE_COST`` (a write hook
+around hardware/interrupts/affinity.py ``write``: the FAKE slow kernel; the product has no test
+hook).  A stream of pod starts - RunPodSandbox, CreateContainer, StartContainer of Guaranteed and
+Burstable pods, the oldest removed as new ones come - runs on each side for the same time:
 
 * **interrupt work**: an irq-free pod placed at the start (every interrupt narrowed), a second
   one later (planned again mid-way), a rescan every ``RESCAN`` seconds (each re-reads every
@@ -29,7 +29,7 @@ from topologies import build
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.daemon.service import Daemon
-from nri_cpuplugin.hardware import irq as irq_files
+from nri_cpuplugin.hardware.interrupts import affinity as irq_files
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 

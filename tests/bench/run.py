@@ -755,7 +755,7 @@ def section_dbus(quick: bool) -> list[str]:
     report = bench_dbus_clients(60 if quick else 400, 20 if quick else 100)
     imports = report["imports"]
     labels = {
-        "ours": "ours (`systemd_client`, `dbus_wire`)",
+        "ours": "ours (`hardware/systemd/`)",
         "jeepney": "jeepney (blocking)",
         "dbus-fast": "dbus-fast (asyncio)",
         "sdbus": "sdbus (libsystemd)",

@@ -1,7 +1,7 @@
-"""What each OCI runtime and systemd release leaves in systemd's unit files for a container's
-scope, and whether the daemon's reading of them (hardware/unit_config.py) agrees with systemd
-at every step: runc 1.1.5 on systemd 252 (bookworm), runc 1.3.6 and crun 1.21 on systemd 257
-(trixie).  unit_files.py gathers it in the guest; the files are printed for the CI log.
+"""What each OCI runtime and systemd release leaves in systemd's unit files for a container's scope,
+and whether the daemon's reading of them (hardware/systemd/unit_config.py) agrees with systemd at
+every step: runc 1.1.5 on systemd 252 (bookworm), runc 1.3.6 and crun 1.21 on systemd 257 (trixie).
+unit_files.py gathers it in the guest; the files are printed for the CI log.
 
 The hand-over (daemon/units.py) relies on: a scope created with a cpuset has ``AllowedCPUs``
 (so the daemon must hand it over before writing the cgroup directly); after the hand-over an

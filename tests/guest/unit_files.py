@@ -1,13 +1,13 @@
 """What the runtime and systemd leave in systemd's unit files for a container's scope, run in
 the guest (``Guest.call``) with the daemon placing containers.
 
-The daemon's hand-over (nri_cpuplugin/daemon/units.py) relies on three behaviours of the OCI
-runtime and systemd, which differ by release: a scope created with a cpuset gets
-``AllowedCPUs`` in its transient unit file; a runtime's update of the cpuset leaves a
-transient drop-in; an empty ``AllowedCPUs`` leaves the cgroup file alone on a reload.  This
-returns the files themselves at each step, what systemd says (``AllowedCPUs``), what the
-cgroup holds, and what the daemon's reader of those files (hardware/unit_config.py) concludes,
-for the test on the host to compare.  Nothing here asserts.
+The daemon's hand-over (nri_cpuplugin/daemon/units.py) relies on three behaviours of the OCI runtime
+and systemd, which differ by release: a scope created with a cpuset gets ``AllowedCPUs`` in its
+transient unit file; a runtime's update of the cpuset leaves a transient drop-in; an empty
+``AllowedCPUs`` leaves the cgroup file alone on a reload.  This returns the files themselves at each
+step, what systemd says (``AllowedCPUs``), what the cgroup holds, and what the daemon's reader of
+those files (hardware/systemd/unit_config.py) concludes, for the test on the host to compare.
+Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from harness.host import parse_cpu_list
 
 from guest.pinning import _wait_shared_off, scope_dir
 from guest.scenarios import FIRST_LINE, _first_line, _read, unit_dir
-from nri_cpuplugin.hardware.unit_config import CONTROL, TRANSIENT, holds_cpuset
+from nri_cpuplugin.hardware.systemd.unit_config import CONTROL, TRANSIENT, holds_cpuset
 
 
 def files_of(unit: str) -> dict[str, str]:

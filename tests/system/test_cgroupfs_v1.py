@@ -16,8 +16,9 @@ from harness import host
 from harness.runc import CgroupSandbox, sandbox
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import cgroupfs
-from nri_cpuplugin.hardware.cgroupfs import CgroupError, CgroupFS, Transaction
+from nri_cpuplugin.hardware import cgroup_writes, cgroupfs
+from nri_cpuplugin.hardware.cgroup_writes import Transaction
+from nri_cpuplugin.hardware.cgroupfs import CgroupError, CgroupFS
 
 C = CPUSet.parse
 LAST = str(host.online_cpus()[-1])
@@ -61,7 +62,7 @@ def test_parent_grows_before_the_child(box: CgroupSandbox, fs: CgroupFS) -> None
     _write(box.cpuset_dir(ctr), "cpuset.cpus", "0")
     _write(box.cpuset_dir(pod), "cpuset.cpus", "0")
     with Transaction(fs) as tx:
-        assert cgroupfs.set_cpuset(tx, ctr, C(LAST))
+        assert cgroup_writes.set_cpuset(tx, ctr, C(LAST))
     assert _read(box.cpuset_dir(pod), "cpuset.cpus") == str(C("0") | C(LAST))
     assert _read(box.cpuset_dir(ctr), "cpuset.cpus") == LAST
     assert host.cpus_allowed_list(proc.pid) == LAST
@@ -74,14 +75,14 @@ def test_nested_children_shrink_before_the_container(box: CgroupSandbox, fs: Cgr
     proc = _spawn_in(box, nested)
     # Writing the container first would fail with EBUSY (a child would no longer fit).
     with Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, ctr, C(LAST))
+        cgroup_writes.set_cpuset(tx, ctr, C(LAST))
         order = [path for _, path, _, _ in tx.done]
     assert order == [nested, ctr]
     assert _read(box.cpuset_dir(nested), "cpuset.cpus") == LAST
     assert host.cpus_allowed_list(proc.pid) == LAST
     # And back: the container grows first, then its child.
     with Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, ctr, C("0-" + LAST))
+        cgroup_writes.set_cpuset(tx, ctr, C("0-" + LAST))
     assert host.cpus_allowed_list(proc.pid) == f"0-{LAST}"
 
 
@@ -94,8 +95,8 @@ def test_kernel_refusal_rolls_back_earlier_writes(box: CgroupSandbox, fs: Cgroup
     offline = str(max(host.online_cpus()) + 64)  # no such CPU: the kernel says EINVAL/EACCES
     tx = Transaction(fs)
     with pytest.raises(CgroupError, match="writing") as err, tx:
-        cgroupfs.set_cpuset(tx, a, C("0"))
-        cgroupfs.set_cpuset(tx, b, C(offline))
+        cgroup_writes.set_cpuset(tx, a, C("0"))
+        cgroup_writes.set_cpuset(tx, b, C(offline))
     assert "cpuset.cpus" in str(err.value)
     assert _read(box.cpuset_dir(a), "cpuset.cpus") == before
     assert tx.rollback_errors == []
@@ -116,7 +117,7 @@ def test_lift_quota_v1(box: CgroupSandbox, fs: CgroupFS) -> None:
     box.make_cgroup(ctr)
     _write(box.cpu_dir(ctr), "cpu.cfs_quota_us", "50000")
     tx = Transaction(fs)
-    assert cgroupfs.lift_quota(tx, ctr)
+    assert cgroup_writes.lift_quota(tx, ctr)
     assert _read(box.cpu_dir(ctr), "cpu.cfs_quota_us") == "-1"
     assert tx.rollback() == []
     assert _read(box.cpu_dir(ctr), "cpu.cfs_quota_us") == "50000"

@@ -15,9 +15,10 @@ from sysfs_gen import write_fake_device
 from topologies import build, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
+from nri_cpuplugin.core.placement import NICPreference
+from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import GUARANTEED, Workload
-from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.hardware import netns_links, nic
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.status import snapshot
@@ -191,8 +192,8 @@ def test_a_fifo_or_a_device_named_as_the_netns_is_refused_without_blocking(tmp_p
     fifo = tmp_path / "netns-fifo"
     os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
     for path in (str(fifo), "/dev/null"):
-        with pytest.raises(nic.NICError, match="not a network namespace"):
-            nic.netlink_socket(path)
+        with pytest.raises(netns_links.NICError, match="not a network namespace"):
+            netns_links.netlink_socket(path)
 
 
 def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
@@ -202,10 +203,10 @@ def test_a_failure_inside_the_netns_thread_is_an_error_not_a_hang(monkeypatch):
     def no_fds():
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(nic, "_libc", no_fds)
+    monkeypatch.setattr(netns_links, "_libc", no_fds)
     before = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(nic.NICError, match="Too many open files"):
-        nic.netlink_socket("/proc/self/ns/net")
+    with pytest.raises(netns_links.NICError, match="Too many open files"):
+        netns_links.netlink_socket("/proc/self/ns/net")
     assert len(os.listdir("/proc/self/fd")) == before
 
 

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 
-from nri_cpuplugin.hardware import nic, rtnetlink
+from nri_cpuplugin.hardware import netns_links, rtnetlink
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,7 @@ def no_leftovers():
 def _exchange(netns: str | None, request: bytes, seq: int) -> list[bytes]:
     """Raw datagrams the kernel sends back for ``request`` (until DONE or a single answer)."""
     datagrams = []
-    with contextlib.closing(nic.netlink_socket(netns)) as sock:
+    with contextlib.closing(netns_links.netlink_socket(netns)) as sock:
         sock.settimeout(2)
         sock.send(request)
         while True:

@@ -1,4 +1,4 @@
-"""Our D-Bus client (hardware/systemd_units.py) against a real dbus-daemon and a FAKE systemd.
+"""Our D-Bus client (hardware/systemd/units.py) against a real dbus-daemon and a FAKE systemd.
 
 The bus is Debian's dbus-daemon, a private instance with the system bus's reply limit
 (tests/fake_systemd.py); the FAKE systemd on it (NOT systemd: systemd cannot be PID 1 on this
@@ -21,8 +21,8 @@ import pytest
 from fake_systemd import DENY_SET_UNIT_PROPERTIES, FakeSystemd, PrivateBus
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import systemd_units as su
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
+from nri_cpuplugin.hardware.systemd import units as su
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,7 +157,7 @@ HOOK_LIKE = """
 import sys
 sys.path.append({root!r})
 before = set(sys.modules)
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
 with SystemdClient({socket!r}) as client:
     [result] = client.set_allowed([("crio-hook.scope", {{1}}, {{0}})], 10)
 loaded = sorted(m for m in {absent!r} if m in sys.modules and m not in before)

@@ -23,7 +23,7 @@ from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.daemon import units as units_mod
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
 from nri_cpuplugin.hook import entry as hook
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings

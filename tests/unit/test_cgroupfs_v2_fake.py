@@ -17,8 +17,9 @@ import pytest
 from fake_cgroup_v2 import FakeV2
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import cgroupfs
-from nri_cpuplugin.hardware.cgroupfs import CgroupError, Transaction
+from nri_cpuplugin.hardware import cgroup_writes, cgroupfs
+from nri_cpuplugin.hardware.cgroup_writes import Transaction
+from nri_cpuplugin.hardware.cgroupfs import CgroupError
 
 C = CPUSet.parse
 
@@ -49,7 +50,7 @@ def test_writes_leaf_cpus_and_mems_and_reads_effective_back(fake: FakeV2) -> Non
     fake.mk("kubepods/pod1")
     fake.mk("kubepods/pod1/ctr", effective="2", mems_effective="1")
     with fake.fs() as fs, Transaction(fs) as tx:
-        assert cgroupfs.set_cpuset(tx, "/kubepods/pod1/ctr", C("2"), C("1"))
+        assert cgroup_writes.set_cpuset(tx, "/kubepods/pod1/ctr", C("2"), C("1"))
         names = [(path, name) for _, path, name, _ in tx.done]
     assert fake.read("kubepods/pod1/ctr", "cpuset.cpus") == "2"
     assert fake.read("kubepods/pod1/ctr", "cpuset.mems") == "1"
@@ -65,14 +66,14 @@ def test_memory_nodes_from_the_parent_for_a_container_that_was_exclusive(fake: F
     fake.mk("kubepods/pod1/ctr", cpus="2", mems="1", effective="0-3", mems_effective="0-1")
     fake.mk("kubepods/pod1/ctr/container", mems="1", effective="0-3", mems_effective="0-1")
     with fake.fs() as fs, Transaction(fs) as tx:
-        assert cgroupfs.set_cpuset(tx, "/kubepods/pod1/ctr", C("0-3"), mems_from_parent=True)
+        assert cgroup_writes.set_cpuset(tx, "/kubepods/pod1/ctr", C("0-3"), mems_from_parent=True)
     for path in ("kubepods/pod1/ctr", "kubepods/pod1/ctr/container"):
         assert fake.read(path, "cpuset.mems") == "0-1"
     assert fake.read("kubepods/pod1/ctr", "cpuset.cpus") == "0-3"
     # Without it, memory nodes are left as they are.
     fake.mk("kubepods/pod1/other", cpus="2", mems="1", effective="0-3")
     with fake.fs() as fs, Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, "/kubepods/pod1/other", C("0-3"))
+        cgroup_writes.set_cpuset(tx, "/kubepods/pod1/other", C("0-3"))
     assert fake.read("kubepods/pod1/other", "cpuset.mems") == "1"
 
 
@@ -82,7 +83,7 @@ def test_effective_mismatch_fails_and_rolls_back(fake: FakeV2) -> None:
     # up offers CPU 3 and it falls back to the parent's set.
     fake.mk("kubepods/ctr", cpus="0-1", effective="0-1")
     with fake.fs() as fs, pytest.raises(CgroupError, match="kernel applied"), Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, "/kubepods/ctr", C("3"))
+        cgroup_writes.set_cpuset(tx, "/kubepods/ctr", C("3"))
     assert fake.read("kubepods", "cpuset.cpus") == "0-1"  # was grown to 0-1,3, then restored
     assert fake.read("kubepods/ctr", "cpuset.cpus") == "0-1"
 
@@ -93,7 +94,7 @@ def test_ancestors_with_explicit_cpus_grow_top_down(fake: FakeV2) -> None:
     fake.mk("kubepods/burstable/pod", cpus="0")
     fake.mk("kubepods/burstable/pod/ctr", cpus="0", effective="2")
     with fake.fs() as fs, Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, "/kubepods/burstable/pod/ctr", C("2"))
+        cgroup_writes.set_cpuset(tx, "/kubepods/burstable/pod/ctr", C("2"))
         order = [path for _, path, _, _ in tx.done]
     assert order == ["/kubepods", "/kubepods/burstable/pod", "/kubepods/burstable/pod/ctr"]
     assert fake.read("kubepods", "cpuset.cpus") == "0,2"
@@ -107,7 +108,7 @@ def test_nested_cgroups_below_the_container_follow_it_bottom_up(fake: FakeV2) ->
     fake.mk("kubepods/pod/ctr/container", cpus="0-3", effective="1")  # crun's sub-cgroup
     fake.mk("kubepods/pod/ctr/inherits")  # empty: inherits the container's set
     with fake.fs() as fs, Transaction(fs) as tx:
-        cgroupfs.set_cpuset(tx, "/kubepods/pod/ctr", C("1"))
+        cgroup_writes.set_cpuset(tx, "/kubepods/pod/ctr", C("1"))
         order = [path for _, path, _, _ in tx.done]
     assert order == ["/kubepods/pod/ctr/container", "/kubepods/pod/ctr"]
     assert fake.read("kubepods/pod/ctr/inherits", "cpuset.cpus") == ""
@@ -117,8 +118,8 @@ def test_lift_quota_keeps_the_period_and_rolls_back(fake: FakeV2) -> None:
     fake.mk("kubepods/pod/ctr", cpu_max="150000 50000")
     with fake.fs() as fs:
         tx = Transaction(fs)
-        assert cgroupfs.lift_quota(tx, "/kubepods/pod/ctr")
-        assert not cgroupfs.lift_quota(tx, "/kubepods/pod/ctr")  # already unlimited
+        assert cgroup_writes.lift_quota(tx, "/kubepods/pod/ctr")
+        assert not cgroup_writes.lift_quota(tx, "/kubepods/pod/ctr")  # already unlimited
         assert fake.read("kubepods/pod/ctr", "cpu.max") == "max 50000"
         assert tx.rollback() == []
     assert fake.read("kubepods/pod/ctr", "cpu.max") == "150000 50000"
@@ -132,8 +133,8 @@ def test_failed_write_rolls_back_earlier_writes(fake: FakeV2) -> None:
     with fake.fs() as fs:
         tx = Transaction(fs)
         with pytest.raises(CgroupError), tx:
-            cgroupfs.set_cpuset(tx, "/kubepods/a", C("0"))
-            cgroupfs.set_cpuset(tx, "/kubepods/b", C("0"))
+            cgroup_writes.set_cpuset(tx, "/kubepods/a", C("0"))
+            cgroup_writes.set_cpuset(tx, "/kubepods/b", C("0"))
     assert fake.read("kubepods/a", "cpuset.cpus") == "0-3"
     assert tx.rollback_errors == []
 
@@ -167,7 +168,7 @@ def test_hostile_paths_are_refused_before_any_io(fake: FakeV2, path: str) -> Non
     with fake.fs() as fs:
         tx = Transaction(fs)
         with pytest.raises(CgroupError):
-            cgroupfs.set_cpuset(tx, path, C("1"))
+            cgroup_writes.set_cpuset(tx, path, C("1"))
         assert tx.done == []
 
 
@@ -180,7 +181,7 @@ def test_symlink_out_of_the_tree_is_never_followed(fake: FakeV2, tmp_path: Path)
     (fake.root / "kubepods" / "evil").symlink_to(outside)
     with fake.fs() as fs:
         with pytest.raises(CgroupError, match=r"symbolic link|not a directory"):
-            cgroupfs.set_cpuset(Transaction(fs), "/kubepods/evil", C("1"))
+            cgroup_writes.set_cpuset(Transaction(fs), "/kubepods/evil", C("1"))
         assert not fs.exists("cpuset", "/kubepods/evil")
     assert (outside / "cpuset.cpus").read_text() == "untouched\n"
 
@@ -192,17 +193,17 @@ def test_symlinked_file_is_never_followed(fake: FakeV2, tmp_path: Path) -> None:
     (d / "cpuset.cpus").unlink()
     (d / "cpuset.cpus").symlink_to(target)
     with fake.fs() as fs, pytest.raises(CgroupError):
-        cgroupfs.set_cpuset(Transaction(fs), "/kubepods/ctr", C("1"))
+        cgroup_writes.set_cpuset(Transaction(fs), "/kubepods/ctr", C("1"))
     assert target.read_text() == "untouched\n"
 
 
 def test_root_cgroup_and_empty_sets_are_refused(fake: FakeV2) -> None:
     with fake.fs() as fs:
         with pytest.raises(CgroupError, match="root cgroup"):
-            cgroupfs.set_cpuset(Transaction(fs), "/", C("1"))
+            cgroup_writes.set_cpuset(Transaction(fs), "/", C("1"))
         fake.mk("kubepods/ctr")
         with pytest.raises(CgroupError, match="empty cpuset"):
-            cgroupfs.set_cpuset(Transaction(fs), "/kubepods/ctr", CPUSet())
+            cgroup_writes.set_cpuset(Transaction(fs), "/kubepods/ctr", CPUSet())
 
 
 def test_detect_refuses_a_root_without_cpuset(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The D-Bus wire format (nri_cpuplugin/hardware/dbus_wire.py, dbus_unmarshal.py, dbus_auth.py)
+"""The D-Bus wire format (nri_cpuplugin/hardware/systemd/: wire.py, unmarshal.py, auth.py)
 against the specification.
 
 Expected bytes are written out by hand from the specification's rules ("Message Format",
@@ -20,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jeepney.low_level import Parser as JeepneyParser
 
-from nri_cpuplugin.hardware import dbus_wire as wire
-from nri_cpuplugin.hardware.dbus_auth import auth_external, auth_reply
-from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
-from nri_cpuplugin.hardware.dbus_wire import DBusWireError, Variant
+from nri_cpuplugin.hardware.systemd import message as msg
+from nri_cpuplugin.hardware.systemd import wire
+from nri_cpuplugin.hardware.systemd.auth import auth_external, auth_reply
+from nri_cpuplugin.hardware.systemd.unmarshal import MessageReader
+from nri_cpuplugin.hardware.systemd.wire import DBusWireError, Variant
 
 
 def u32(n: int) -> bytes:
@@ -87,7 +88,7 @@ def test_set_unit_properties_body_byte_for_byte() -> None:
 
 
 def test_method_call_header_byte_for_byte() -> None:
-    data = wire.message(wire.METHOD_CALL, 1, {wire.PATH: "/o", wire.MEMBER: "M"})
+    data = msg.message(wire.METHOD_CALL, 1, {wire.PATH: "/o", wire.MEMBER: "M"})
     expected = (
         b"l\x01\x00\x01" + u32(0) + u32(1)  # little-endian, method call, no flags, version 1
         + u32(26)  # header fields array: from offset 16 to 42
@@ -100,7 +101,7 @@ def test_method_call_header_byte_for_byte() -> None:
 
 
 def test_the_body_follows_the_8_aligned_header() -> None:
-    data = wire.method_call(5, "d.e", "/p", "i.f", "M", "u", (3,))
+    data = msg.method_call(5, "d.e", "/p", "i.f", "M", "u", (3,))
     header_end = len(data) - 4
     assert header_end % 8 == 0
     assert data[header_end:] == u32(3)
@@ -166,7 +167,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, tuple]:
 @given(bodies(), st.integers(1, (1 << 32) - 1))
 def test_messages_round_trip_and_jeepney_reads_them(body: tuple[str, tuple], serial: int) -> None:
     signature, values = body
-    data = wire.method_call(serial, "org.x", "/a/b_c", "org.x.I", "Member", signature, values)
+    data = msg.method_call(serial, "org.x", "/a/b_c", "org.x.I", "Member", signature, values)
     reader = MessageReader()
     reader.feed(data)
     [message] = reader.messages()
@@ -202,11 +203,11 @@ def _from_jeepney(value: object) -> object:
 
 
 def test_replies_and_errors_round_trip() -> None:
-    call_bytes = wire.method_call(3, "d.e", "/p", "i.f", "M")
+    call_bytes = msg.method_call(3, "d.e", "/p", "i.f", "M")
     reader = MessageReader()
     reader.feed(call_bytes)
     [call] = reader.messages()
-    reader.feed(wire.method_return(9, call, "s", (":1.4",)) + wire.error(10, call, "a.B", "no"))
+    reader.feed(msg.method_return(9, call, "s", (":1.4",)) + msg.error(10, call, "a.B", "no"))
     ret, err = reader.messages()
     assert (ret.type, ret.reply_serial, ret.body) == (wire.METHOD_RETURN, 3, (":1.4",))
     assert (err.type, err.reply_serial, err.error_name, err.error_text()) == (
@@ -219,7 +220,7 @@ def test_replies_and_errors_round_trip() -> None:
 
 def test_a_stream_split_anywhere_gives_the_same_messages() -> None:
     data = b"".join(
-        wire.method_call(n, "d.e", "/p", "i.f", "M", "su", ("x" * n, n)) for n in (1, 2, 3)
+        msg.method_call(n, "d.e", "/p", "i.f", "M", "su", ("x" * n, n)) for n in (1, 2, 3)
     )
     for cut in range(len(data) + 1):
         reader = MessageReader()
@@ -230,7 +231,7 @@ def test_a_stream_split_anywhere_gives_the_same_messages() -> None:
 
 
 def test_unknown_header_fields_are_ignored() -> None:
-    data = bytearray(wire.method_call(1, "d.e", "/p", "i.f", "M"))
+    data = bytearray(msg.method_call(1, "d.e", "/p", "i.f", "M"))
     # rewrite DESTINATION (code 6, a string) as code 77: unknown, so skipped
     at = data.index(b"\x06\x01s\0")
     data[at] = 77
@@ -241,7 +242,7 @@ def test_unknown_header_fields_are_ignored() -> None:
 
 
 def test_serials_are_nonzero_and_wrap() -> None:
-    serials = wire.Serials()
+    serials = msg.Serials()
     assert [serials.next() for _ in range(3)] == [1, 2, 3]
     serials.last = 0xFFFFFFFF
     assert serials.next() == 1
@@ -271,7 +272,7 @@ def test_auth_reply() -> None:
 
 # --- malformed input --------------------------------------------------------------------------
 
-GOOD = wire.method_call(
+GOOD = msg.method_call(
     2, "org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
     "SetUnitProperties", "sba(sv)", ("a.scope", True, [("AllowedCPUs", Variant("ay", b"\x03"))]),
 )  # fmt: skip
@@ -371,19 +372,19 @@ def test_malformed_values_are_refused(signature: str, data: bytes, match: str) -
 def _raw(signature: str, body: bytes) -> bytes:
     """A well-formed header announcing ``signature`` and ``body``, whatever the body is."""
     fields = {wire.PATH: "/p", wire.MEMBER: "M", wire.SIGNATURE: signature}
-    head = wire.message(wire.METHOD_CALL, 1, fields)
+    head = msg.message(wire.METHOD_CALL, 1, fields)
     return head[:4] + u32(len(body)) + head[8:] + body
 
 
 def test_missing_required_header_fields_are_refused() -> None:
-    data = wire.message(wire.METHOD_RETURN, 1, {wire.REPLY_SERIAL: 1})
+    data = msg.message(wire.METHOD_RETURN, 1, {wire.REPLY_SERIAL: 1})
     no_reply_serial = data.replace(b"\x05\x01u\0", b"\x63\x01u\0")  # made unknown
     with pytest.raises(DBusWireError, match="lacks header fields"):
         _read(no_reply_serial)
 
 
 def test_a_header_field_of_the_wrong_type_is_refused() -> None:
-    data = wire.message(wire.METHOD_RETURN, 1, {wire.REPLY_SERIAL: 1})
+    data = msg.message(wire.METHOD_RETURN, 1, {wire.REPLY_SERIAL: 1})
     with pytest.raises(DBusWireError, match="has type 'i'"):
         _read(data.replace(b"\x05\x01u\0", b"\x05\x01i\0"))
 
@@ -393,7 +394,7 @@ def test_deep_variants_are_refused() -> None:
     signature = "u"
     for _ in range(70):
         value, signature = Variant(signature, value), "v"
-    data = wire.message(wire.METHOD_CALL, 1, {wire.PATH: "/p", wire.MEMBER: "M"}, "v", (value,))
+    data = msg.message(wire.METHOD_CALL, 1, {wire.PATH: "/p", wire.MEMBER: "M"}, "v", (value,))
     with pytest.raises(DBusWireError, match="deeper than 64"):
         _read(data)
 

@@ -19,12 +19,13 @@ from topologies import offline, topology
 from nri_cpuplugin.core import state as state_mod
 from nri_cpuplugin.core.annotation import EXCLUSIVE
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.engine import Engine, LiveContainer
+from nri_cpuplugin.core.engine import Engine
 from nri_cpuplugin.core.policy import StaticPolicy
+from nri_cpuplugin.core.reconcile import LiveContainer
 from nri_cpuplugin.core.state import Earmark, StateFormatError
 from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.daemon.adapter import pod_cpu_limit
-from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.hardware import netns_links
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops import status
 
@@ -236,7 +237,7 @@ def test_a_creation_decided_otherwise_than_answered_is_set_right_when_it_starts(
     audited."""
     settings = node_settings(tmp_path)
     write_fake_device(Path(settings.sysfs), "pci", "0000:81:00.0", numa_node=1)
-    eth0 = nic.Link(2, "eth0", "", "pci", "0000:81:00.0", None, None, False)
+    eth0 = netns_links.Link(2, "eth0", "", "pci", "0000:81:00.0", None, None, False)
     daemon, records = daemons(settings)
     daemon.pod_nics.lister = lambda netns: ([eth0], None)  # netlink, as the pod starts
     nri = daemon.adapter

@@ -7,15 +7,10 @@ import pytest
 from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.engine import (
-    CFS_PERIOD_US,
-    UNLIMITED,
-    Engine,
-    LiveContainer,
-    Outcome,
-    Target,
-)
+from nri_cpuplugin.core.engine import Engine
+from nri_cpuplugin.core.outcome import CFS_PERIOD_US, UNLIMITED, Outcome, Target
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
+from nri_cpuplugin.core.reconcile import LiveContainer
 from nri_cpuplugin.core.state import Assignment
 from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
 

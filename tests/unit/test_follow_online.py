@@ -9,7 +9,8 @@ from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.follow import follow_online
-from nri_cpuplugin.core.policy import NICPreference, PolicyError, StaticPolicy
+from nri_cpuplugin.core.placement import NICPreference
+from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.state import (
     Assignment,
     NodeState,

@@ -25,6 +25,7 @@ from topologies import build, offline, topology
 from nri_cpuplugin.base import jsonbytes
 from nri_cpuplugin.core import annotation
 from nri_cpuplugin.core.cpuset import CPUSet
+from nri_cpuplugin.core.eligibility import eligibility
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
 from nri_cpuplugin.hardware.cgroupfs import ContainerCgroups
@@ -269,10 +270,9 @@ def test_a_record_keeps_only_our_keys_for_this_container_and_bounded_values(
     }  # fmt: skip
     assert len(kept[annotation.NICS]) == annotation.MAX_VALUE + 1
     # What is kept decides as the whole did: the cut value is still refused as too long.
-    policy = StaticPolicy(topology("single-socket-no-smt"), P("0"))
     whole = crowded_workload(GUARANTEED).evolve(cpu_request_milli=2000)
     cut = loaded[workload.container_id].workload.evolve(qos=GUARANTEED, cpu_request_milli=2000)
-    assert policy.eligibility(whole) == policy.eligibility(cut)
+    assert eligibility(whole) == eligibility(cut)
     assert annotation.lookup(whole.annotations, annotation.EXCLUSIVE, "web") == "false"
     for w in (whole, cut):
         with pytest.raises(PolicyError, match="longer than the 256 characters"):

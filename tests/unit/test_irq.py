@@ -1,8 +1,8 @@
-"""Exclusive CPUs kept free of device interrupts: the plan (core/irq.py) as a table, the
-/proc files (hardware/irq.py) on a generated tree, and the daemon keeping a pod's CPUs free
-and giving them back (a generated /proc/irq beside the generated sysfs: the host's are never
-touched; irqbalance is tests/fake_irqbalance.py's FAKE).  The kernel's refusals of managed
-interrupts (EIO) are the FAKE edge here; the guest node tests them for real (tests/guest/)."""
+"""Exclusive CPUs kept free of device interrupts: the plan (core/irq.py) as a table, the /proc files
+(hardware/interrupts/affinity.py) on a generated tree, and the daemon keeping a pod's CPUs free and
+giving them back (a generated /proc/irq beside the generated sysfs: the host's are never touched;
+irqbalance is tests/fake_irqbalance.py's FAKE).  The kernel's refusals of managed interrupts (EIO)
+are the FAKE edge here; the guest node tests them for real (tests/guest/)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.irq import DEFAULT, Irq, plan
 from nri_cpuplugin.core.state import IrqRecord
 from nri_cpuplugin.daemon.events import IrqRescan
-from nri_cpuplugin.hardware import irq as irq_files
-from nri_cpuplugin.hardware.irq_keeper import Roots
+from nri_cpuplugin.hardware.interrupts import affinity as irq_files
+from nri_cpuplugin.hardware.interrupts.keeper import Roots
 from nri_cpuplugin.ops import status
 from nri_cpuplugin.ops.config import Settings
 

@@ -28,7 +28,7 @@ from nri_cpuplugin.core.irq import Irq, plan, while_writing
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.core.state import IrqRecord
 from nri_cpuplugin.daemon import events as ev
-from nri_cpuplugin.hardware import irq as irq_files
+from nri_cpuplugin.hardware.interrupts import affinity as irq_files
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.storage.store import StateStore
 

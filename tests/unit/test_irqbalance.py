@@ -1,6 +1,6 @@
-"""irqbalance told of the CPUs kept free of interrupts (hardware/irqbalance.py), over restarts of
-irqbalance that load our environment file: irqbalance is tests/fake_irqbalance.py's FAKE (its
-socket, its environment, its banned set), beside a generated sysfs."""
+"""irqbalance told of the CPUs kept free of interrupts (hardware/interrupts/irqbalance.py), over
+restarts of irqbalance that load our environment file: irqbalance is tests/fake_irqbalance.py's
+FAKE (its socket, its environment, its banned set), beside a generated sysfs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fake_irqbalance import FakeIrqbalance, short_root
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import irqbalance
+from nri_cpuplugin.hardware.interrupts import irqbalance
 
 P = CPUSet.parse
 

@@ -12,13 +12,13 @@ from topologies import build
 from nri_cpuplugin.core import annotation
 from nri_cpuplugin.daemon import pod_nics
 from nri_cpuplugin.daemon.pod_nics import PodNICs
-from nri_cpuplugin.hardware import nic
+from nri_cpuplugin.hardware import netns_links
 from nri_cpuplugin.nri.handlers import EVENT_BITS
 from nri_cpuplugin.nri.stub import Stub
 from nri_cpuplugin.ops.config import Settings
 
 NETNS = "/var/run/netns/cni-1234"
-ETH0 = nic.Link(2, "eth0", "veth", "", "", 7, 0, False)
+ETH0 = netns_links.Link(2, "eth0", "veth", "", "", 7, 0, False)
 LISTING = ([ETH0], None)
 
 
@@ -64,12 +64,12 @@ def test_a_creation_waits_for_a_read_still_running():
 
 
 def test_a_failed_read_is_reported_as_the_creation_own_would_be_never_read_twice():
-    lister = Lister(nic.NICError("cannot open network namespace: gone"))
+    lister = Lister(netns_links.NICError("cannot open network namespace: gone"))
     nics = PodNICs(lister)
     nics.read_ahead("uid-a", NETNS)
     read = nics.lister_for("uid-a", NETNS)
     assert read is not None
-    with pytest.raises(nic.NICError, match="cannot open network namespace: gone"):
+    with pytest.raises(netns_links.NICError, match="cannot open network namespace: gone"):
         read(NETNS)
     assert len(lister.calls) == 1
 
@@ -88,7 +88,7 @@ def test_a_stalled_read_is_waited_for_no_longer_than_a_netlink_receive(monkeypat
     read = nics.lister_for("uid-a", NETNS)
     gate.set()
     assert read is not None
-    with pytest.raises(nic.NICError, match=r"started with the pod, took over 0\.05 s"):
+    with pytest.raises(netns_links.NICError, match=r"started with the pod, took over 0\.05 s"):
         read(NETNS)
 
 
@@ -189,7 +189,9 @@ def test_a_recreated_sandbox_keeps_its_read_when_the_old_one_is_removed_after_it
 
 
 def test_the_note_says_the_read_ahead_was_used_only_when_it_was(plugin):
-    plugin.daemon.pod_nics.lister = Lister(nic.NICError("cannot open network namespace: gone"))
+    plugin.daemon.pod_nics.lister = Lister(
+        netns_links.NICError("cannot open network namespace: gone")
+    )
     db = in_netns(pod("db"))
     plugin.run_pod_sandbox(db)
     plugin.create_container(db, container("postgres", db, 2000))

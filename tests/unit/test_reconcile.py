@@ -6,8 +6,8 @@ from topologies import topology
 
 from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.core.engine import LiveContainer, reconcile
 from nri_cpuplugin.core.policy import StaticPolicy
+from nri_cpuplugin.core.reconcile import LiveContainer, reconcile
 from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
 
 P = CPUSet.parse

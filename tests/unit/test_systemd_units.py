@@ -1,4 +1,4 @@
-"""systemd units' cpusets over D-Bus (nri_cpuplugin/hardware/systemd_units.py), without a bus.
+"""systemd units' cpusets over D-Bus (nri_cpuplugin/hardware/systemd/units.py), without a bus.
 
 Unit names and bitmasks against runc's and systemd's rules; the sans-I/O conversation fed by
 hand; both clients against a scripted peer on a unix socket in a temporary directory that
@@ -25,15 +25,16 @@ from jeepney.low_level import Parser as JeepneyParser
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.daemon.units import SystemdUnits
-from nri_cpuplugin.hardware import dbus_wire as wire
-from nri_cpuplugin.hardware import systemd_units as su
 from nri_cpuplugin.hardware.cpusets import Target
-from nri_cpuplugin.hardware.dbus_auth import auth_external
-from nri_cpuplugin.hardware.dbus_unmarshal import MessageReader
-from nri_cpuplugin.hardware.systemd_client import SystemdClient
-from nri_cpuplugin.hardware.systemd_conversation import WINDOW, Conversation, in_order
-from nri_cpuplugin.hardware.systemd_units import SystemdError
-from nri_cpuplugin.hardware.unit_config import holds_cpuset
+from nri_cpuplugin.hardware.systemd import message as msg
+from nri_cpuplugin.hardware.systemd import units as su
+from nri_cpuplugin.hardware.systemd import wire
+from nri_cpuplugin.hardware.systemd.auth import auth_external
+from nri_cpuplugin.hardware.systemd.client import SystemdClient
+from nri_cpuplugin.hardware.systemd.conversation import WINDOW, Conversation, in_order
+from nri_cpuplugin.hardware.systemd.unit_config import holds_cpuset
+from nri_cpuplugin.hardware.systemd.units import SystemdError
+from nri_cpuplugin.hardware.systemd.unmarshal import MessageReader
 from nri_cpuplugin.ops.audit import Audit
 
 # --- unit names -------------------------------------------------------------------------------
@@ -177,19 +178,19 @@ def test_set_allowed_call_is_what_runc_sends() -> None:
 OK_LINE = b"OK 0123456789abcdef0123456789abcdef\r\n"
 
 
-def _calls(data: bytes) -> list[wire.Message]:
+def _calls(data: bytes) -> list[msg.Message]:
     reader = MessageReader()
     reader.feed(data)
     return reader.messages()
 
 
-def _reply(call: wire.Message, serial: int, error: str | None = None, text: str = "") -> bytes:
+def _reply(call: msg.Message, serial: int, error: str | None = None, text: str = "") -> bytes:
     if error:
-        return wire.error(serial, call, error, text)
-    return wire.method_return(serial, call)
+        return msg.error(serial, call, error, text)
+    return msg.method_return(serial, call)
 
 
-def _greeted(hello: bool = True) -> tuple[Conversation, list[wire.Message]]:
+def _greeted(hello: bool = True) -> tuple[Conversation, list[msg.Message]]:
     conversation = Conversation(hello=hello, uid=0)
     greeting = conversation.greeting()
     assert greeting.startswith(auth_external(0))
@@ -200,7 +201,7 @@ def test_the_greeting_pipelines_auth_and_hello() -> None:
     conversation, sent = _greeted()
     [hello] = sent
     assert (hello.member, hello.destination) == ("Hello", "org.freedesktop.DBus")
-    conversation.feed(OK_LINE + wire.method_return(1, hello, "s", (":1.42",)))
+    conversation.feed(OK_LINE + msg.method_return(1, hello, "s", (":1.42",)))
     assert conversation.authenticated and conversation.name == ":1.42"
     assert _greeted(hello=False)[1] == []  # peer to peer: no Hello
 
@@ -213,10 +214,10 @@ def test_calls_leave_at_most_a_window_at_a_time_and_answers_match_by_serial() ->
     assert conversation.outgoing() == b""  # nothing more until answers come
     # answers in reverse order, and the bus's NameAcquired signal in between
     replies = b"".join(_reply(call, 100 + i) for i, call in enumerate(reversed(first)))
-    signal = wire.message(
+    signal = msg.message(
         wire.SIGNAL, 99, {wire.PATH: "/a", wire.INTERFACE: "a.b", wire.MEMBER: "N"}
     )
-    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)) + signal + replies)
+    conversation.feed(OK_LINE + msg.method_return(98, hello, "s", (":1.1",)) + signal + replies)
     assert len(batch.results) == WINDOW - 1
     sent = first
     while not batch.done:
@@ -318,7 +319,7 @@ def test_a_refused_hello_is_unreachable() -> None:
 
 def test_an_abandoned_batch_keeps_the_window_honest_and_late_answers_are_dropped() -> None:
     conversation, [hello] = _greeted()  # the window is the bus's: only with Hello
-    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
+    conversation.feed(OK_LINE + msg.method_return(98, hello, "s", (":1.1",)))
     slow = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(WINDOW)])
     late_calls = _calls(conversation.outgoing())
     conversation.abandon(slow, su.TIMEOUT, SystemdError("late", "timeout"))
@@ -342,7 +343,7 @@ def test_peer_to_peer_every_call_leaves_at_once() -> None:
 
 def test_sent_calls_are_pending_at_the_deadline_and_their_answers_come_late() -> None:
     conversation, [hello] = _greeted()
-    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
+    conversation.feed(OK_LINE + msg.method_return(98, hello, "s", (":1.1",)))
     batch = conversation.submit([(f"s{i}.scope", {1}, None) for i in range(WINDOW + 5)])
     sent = _calls(conversation.outgoing())  # the window's worth; 5 wait for room
     conversation.feed(_reply(sent[0], 200))
@@ -365,7 +366,7 @@ def test_each_pending_call_of_a_unit_gets_its_own_late_answer() -> None:
     """A unit's set and release both pending: each is answered, in order - the set's answer
     does not stand for the release's, nor the release's loss hide behind the set's."""
     conversation, [hello] = _greeted()
-    conversation.feed(OK_LINE + wire.method_return(98, hello, "s", (":1.1",)))
+    conversation.feed(OK_LINE + msg.method_return(98, hello, "s", (":1.1",)))
     batch = conversation.submit([("u.scope", {1}, None)])
     [set_call] = _calls(conversation.outgoing())
     conversation.leave_pending(batch, SystemdError("slow", "timeout"))
@@ -430,7 +431,7 @@ def peer() -> Iterator[Callable[[Callable[[socket.socket], None]], Peer]]:
 
 
 def _systemd(
-    conn: socket.socket, answer: Callable[[wire.Message, int], bytes] | None = None
+    conn: socket.socket, answer: Callable[[msg.Message, int], bytes] | None = None
 ) -> None:
     """A well-behaved peer-to-peer systemd: OK, then an answer per call."""
     reader = MessageReader()
@@ -443,7 +444,7 @@ def _systemd(
     while True:
         for call in reader.messages():
             serial += 1
-            conn.sendall(answer(call, serial) if answer else wire.method_return(serial, call))
+            conn.sendall(answer(call, serial) if answer else msg.method_return(serial, call))
         chunk = conn.recv(65536)
         if not chunk:
             return
@@ -508,10 +509,10 @@ def test_the_blocking_client_leaves_a_slow_systemds_calls_pending(peer) -> None:
     will apply them), and their answers are read while the next call waits for its own."""
     release = threading.Event()
 
-    def slow(call: wire.Message, serial: int) -> bytes:
+    def slow(call: msg.Message, serial: int) -> bytes:
         if call.body[0].startswith("slow"):
             release.wait(10)
-        return wire.method_return(serial, call)
+        return msg.method_return(serial, call)
 
     p = peer(lambda conn: _systemd(conn, slow))
     with SystemdClient(p.path, hello=False) as client:
@@ -828,7 +829,7 @@ def test_unit_files_that_cannot_be_seen_fail_safe_and_say_so(tmp_path) -> None:
     assert len([r for r in records if r.get("REASON") == "unit-files"]) == 1
 
 
-# --- what systemd holds for a unit (hardware/unit_config.py) ----------------------------------
+# --- what systemd holds for a unit (hardware/systemd/unit_config.py) --------------------------
 
 
 def _write(root: Path, path: str, text: str) -> None:

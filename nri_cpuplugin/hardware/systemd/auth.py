@@ -7,7 +7,7 @@ uid from the socket's credentials, and we only name it.
 
 from __future__ import annotations
 
-from .dbus_wire import DBusWireError
+from .wire import DBusWireError
 
 MAX_AUTH_LINE = 512
 

@@ -1,4 +1,4 @@
-"""A blocking client of systemd's D-Bus API: a ``Conversation`` (systemd_conversation.py) over a
+"""A blocking client of systemd's D-Bus API: a ``Conversation`` (conversation.py) over a
 unix socket, for callers that may wait - the OCI hook, the daemon's worker thread.
 
 It uses the C core of the socket module only, and imports neither ``socket`` nor ``asyncio``:
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from .systemd_conversation import Conversation, in_order
-from .systemd_units import (
+from .conversation import Conversation, in_order
+from .units import (
     SYSTEM_BUS,
     SYSTEMD_PRIVATE,
     TIMEOUT,

@@ -1,14 +1,13 @@
-"""The D-Bus wire format, sans I/O: its types and signatures, and values and messages marshalled
-into bytes.
+"""The D-Bus wire format, sans I/O: its types and signatures, and values marshalled into bytes.
 
-systemd's cgroup properties are set over D-Bus (``systemd_units.py``, docs/cgroups-and-hooks.md
-§21).  The messages are built and parsed here rather than with a D-Bus library: the OCI hook is
-a new process per container start, and the smallest library measured costs it several times
-what these modules do to import (docs/benchmarks.md, "D-Bus clients"; docs/architecture.md,
-"What we wrote ourselves").  Only what talking to systemd needs is here: the message header,
-the types ``y b n q i u x t d h s o g``, arrays (``ay`` as bytes), structs, dict entries and
-variants, on both byte orders; no file descriptor passing.  Messages are read back from bytes
-in dbus_unmarshal.py; the authentication that opens a connection is dbus_auth.py.
+systemd's cgroup properties are set over D-Bus (``units.py``, docs/cgroups-and-hooks.md §21).  The
+messages are built and parsed by this package rather than with a D-Bus library: the OCI hook is a
+new process per container start, and the smallest library measured costs it several times what these
+modules do to import (docs/benchmarks.md, "D-Bus clients"; docs/architecture.md, "What we wrote
+ourselves").  Only what talking to systemd needs is here: the message header, the types ``y b n q i
+u x t d h s o g``, arrays (``ay`` as bytes), structs, dict entries and variants, on both byte
+orders; no file descriptor passing.  Whole messages are message.py; they are read back from bytes in
+unmarshal.py; the authentication that opens a connection is auth.py.
 
 Layout (D-Bus specification, "Message Format"): a 12-byte fixed header {byte endianness ``l`` or
 ``B``, byte type, byte flags, byte protocol version 1, uint32 body length, uint32 serial}, then
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 import struct
 
-from ..base.errors import PluginError
+from ...base.errors import PluginError
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
@@ -190,14 +189,16 @@ def _complete_type_checked(
 # --- marshalling ----------------------------------------------------------------------------
 
 
-def _pad(buf: bytearray, alignment: int) -> None:
+def pad(buf: bytearray, alignment: int) -> None:
+    """Zero bytes up to the next multiple of ``alignment`` (counted from the message's start)."""
     buf += b"\0" * (-len(buf) % alignment)
 
 
 # value (here and in the _write_* below): what the caller gave for the type node; only the
 # signature, at run time, says its shape (Any: a value of the wrong shape raises as Python does
 # with it)
-def _write(buf: bytearray, node: Node, value: Any) -> None:
+def write_value(buf: bytearray, node: Node, value: Any) -> None:
+    """``value`` of type ``node`` appended to ``buf``, aligned from ``buf``'s start."""
     if isinstance(node, str):
         _WRITE_BASIC[node](buf, node, value)
     elif node[0] == "a":
@@ -208,7 +209,7 @@ def _write(buf: bytearray, node: Node, value: Any) -> None:
 
 def _write_fixed(buf: bytearray, code: str, value: Any) -> None:
     fmt, size = FIXED[code]
-    _pad(buf, size)
+    pad(buf, size)
     try:
         buf += struct.pack("<" + fmt, value)
     except struct.error as e:
@@ -221,7 +222,7 @@ def _write_boolean(buf: bytearray, code: str, value: Any) -> None:
 
 def _write_string(buf: bytearray, code: str, value: Any) -> None:  # s, o
     data = _text(value, code)
-    _pad(buf, 4)
+    pad(buf, 4)
     buf += struct.pack("<I", len(data)) + data + b"\0"
 
 
@@ -238,7 +239,7 @@ def _write_variant(buf: bytearray, code: str, value: Any) -> None:
     if len(types) != 1:
         raise DBusWireError(f"variant signature {value.signature!r} is not one type")
     _write_signature(buf, "g", value.signature)
-    _write(buf, types[0], value.value)
+    write_value(buf, types[0], value.value)
 
 
 _WRITE_BASIC: dict[str, Callable[[bytearray, str, Any], None]] = {
@@ -252,22 +253,22 @@ _WRITE_BASIC: dict[str, Callable[[bytearray, str, Any], None]] = {
 
 
 def _write_array(buf: bytearray, element: Node, value: Any) -> None:
-    _pad(buf, 4)
+    pad(buf, 4)
     at = len(buf)
     buf += b"\0\0\0\0"
-    _pad(buf, alignment_of(element))
+    pad(buf, alignment_of(element))
     start = len(buf)  # the length counts from the first element, after its padding
     if element == "y":
         buf += bytes(value)
     elif isinstance(element, tuple) and element[0] == "{":
         items = value.items() if isinstance(value, dict) else value
         for key, item in items:
-            _pad(buf, 8)
-            _write(buf, element[1], key)
-            _write(buf, element[2], item)
+            pad(buf, 8)
+            write_value(buf, element[1], key)
+            write_value(buf, element[2], item)
     else:
         for item in value:
-            _write(buf, element, item)
+            write_value(buf, element, item)
     size = len(buf) - start
     if size > MAX_ARRAY:
         raise DBusWireError(f"array of {size} bytes (at most {MAX_ARRAY})")
@@ -277,9 +278,9 @@ def _write_array(buf: bytearray, element: Node, value: Any) -> None:
 def _write_struct(buf: bytearray, fields: tuple[Node, ...], value: Any) -> None:
     if not isinstance(value, (tuple, list)) or len(value) != len(fields):
         raise DBusWireError(f"a struct of {len(fields)} fields needs as many values")
-    _pad(buf, 8)
+    pad(buf, 8)
     for field, item in zip(fields, value, strict=True):
-        _write(buf, field, item)
+        write_value(buf, field, item)
 
 
 def alignment_of(node: Node) -> int:
@@ -317,149 +318,5 @@ def marshal(signature: str, values: tuple | list) -> bytes:
         raise DBusWireError(f"signature {signature!r} has {len(types)} types, {len(values)} values")
     buf = bytearray()
     for node, value in zip(types, values, strict=True):
-        _write(buf, node, value)
+        write_value(buf, node, value)
     return bytes(buf)
-
-
-_header_fields: dict[tuple, bytes] = {}
-
-
-def message(
-    kind: int,
-    serial: int,
-    fields: dict[int, object],
-    signature: str = "",
-    body: tuple | list = (),
-    flags: int = 0,
-) -> bytes:
-    """One whole little-endian message.  ``fields``: header field code -> value (the field's
-    type is fixed by the specification); SIGNATURE is added from ``signature``."""
-    if not 0 < serial < 1 << 32:
-        raise DBusWireError(f"serial {serial} is not a nonzero uint32")
-    data = marshal(signature, body) if signature else b""
-    key = (tuple(sorted(fields.items())), signature)
-    tail = _header_fields.get(key)
-    if tail is None:
-        items = [(code, Variant(FIELD_TYPES[code], value)) for code, value in key[0]]
-        if signature:
-            items.append((SIGNATURE, Variant("g", signature)))
-        header = bytearray(12)
-        _write(header, ("a", ("(", ("y", "v"))), items)
-        _pad(header, 8)
-        tail = bytes(header[12:])
-        if REPLY_SERIAL not in fields and len(_header_fields) < 64:
-            # a caller's calls repeat their fields (path, interface, member, destination): the
-            # marshalled fields are kept, so a call costs its body and 12 bytes
-            _header_fields[key] = tail
-    if 12 + len(tail) + len(data) > MAX_MESSAGE:
-        raise DBusWireError(f"message of {12 + len(tail) + len(data)} bytes (at most 128 MiB)")
-    return HEADERS[ord("l")].pack(ord("l"), kind, flags, 1, len(data), serial) + tail + data
-
-
-def method_call(
-    serial: int,
-    destination: str | None,
-    path: str,
-    interface: str,
-    member: str,
-    signature: str = "",
-    body: tuple | list = (),
-    flags: int = 0,
-) -> bytes:
-    fields: dict[int, object] = {PATH: path, INTERFACE: interface, MEMBER: member}
-    if destination is not None:
-        fields[DESTINATION] = destination
-    return message(METHOD_CALL, serial, fields, signature, body, flags)
-
-
-def method_return(
-    serial: int, reply_to: Message, signature: str = "", body: tuple | list = ()
-) -> bytes:
-    fields: dict[int, object] = {REPLY_SERIAL: reply_to.serial}
-    if reply_to.sender is not None:
-        fields[DESTINATION] = reply_to.sender
-    return message(METHOD_RETURN, serial, fields, signature, body, NO_REPLY_EXPECTED)
-
-
-def error(serial: int, reply_to: Message, name: str, text: str) -> bytes:
-    fields: dict[int, object] = {REPLY_SERIAL: reply_to.serial, ERROR_NAME: name}
-    if reply_to.sender is not None:
-        fields[DESTINATION] = reply_to.sender
-    return message(ERROR, serial, fields, "s", (text,), NO_REPLY_EXPECTED)
-
-
-class Message:
-    """One decoded message.  ``fields``: header field code -> value; ``body``: a tuple."""
-
-    __slots__ = ("body", "fields", "flags", "serial", "type")
-
-    def __init__(
-        self, kind: int, flags: int, serial: int, fields: dict[int, object], body: tuple
-    ) -> None:
-        self.type = kind
-        self.flags = flags
-        self.serial = serial
-        self.fields = fields
-        self.body = body
-
-    # dbus_unmarshal reads each known field by its specified type (FIELD_TYPES): REPLY_SERIAL
-    # is an int, the others str; the isinstance checks say so to the type checker.
-
-    @property
-    def reply_serial(self) -> int | None:
-        serial = self.fields.get(REPLY_SERIAL)
-        return serial if isinstance(serial, int) else None
-
-    def _text_field(self, code: int) -> str | None:
-        value = self.fields.get(code)
-        return value if isinstance(value, str) else None
-
-    @property
-    def error_name(self) -> str | None:
-        return self._text_field(ERROR_NAME)
-
-    @property
-    def sender(self) -> str | None:
-        return self._text_field(SENDER)
-
-    @property
-    def member(self) -> str | None:
-        return self._text_field(MEMBER)
-
-    @property
-    def interface(self) -> str | None:
-        return self._text_field(INTERFACE)
-
-    @property
-    def path(self) -> str | None:
-        return self._text_field(PATH)
-
-    @property
-    def destination(self) -> str | None:
-        return self._text_field(DESTINATION)
-
-    @property
-    def signature(self) -> str:
-        return self._text_field(SIGNATURE) or ""
-
-    def error_text(self) -> str:
-        """An error reply's message (its first argument when that is a string)."""
-        if self.body and isinstance(self.body[0], str):
-            return self.body[0]
-        return ""
-
-    def __repr__(self) -> str:
-        return f"Message(type={self.type}, serial={self.serial}, fields={self.fields!r})"
-
-
-class Serials:
-    """Message serials of one connection: nonzero uint32s, in order, wrapping past 2**32-1."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last = 0
-
-    def next(self) -> int:
-        self.last = self.last % 0xFFFFFFFF + 1
-        return self.last

@@ -18,9 +18,9 @@ from __future__ import annotations
 import errno
 import os
 
-from ..base.errors import PluginError
-from ..core.cpuset import CPUSet
-from ..core.irq import DEFAULT, Irq
+from ...base.errors import PluginError
+from ...core.cpuset import CPUSet
+from ...core.irq import DEFAULT, Irq
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up)
 if TYPE_CHECKING:

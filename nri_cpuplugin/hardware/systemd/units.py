@@ -17,16 +17,17 @@ Unit names come from the runtime (a container's cgroupsPath) and are checked aga
 unit name rules before they go on the bus.  Each unit's call ends in a ``UnitResult``: set, or
 why not and what to do.
 
-The calls are made on one pipelined connection (systemd_conversation.py, sans I/O) by the
-blocking client (systemd_client.py: the OCI hook, the daemon's worker thread).
+The calls are made on one pipelined connection (conversation.py, sans I/O) by the
+blocking client (client.py: the OCI hook, the daemon's worker thread).
 """
 
 from __future__ import annotations
 
 import os
 
-from ..base.errors import PluginError
-from . import dbus_wire as wire
+from ...base.errors import PluginError
+from . import wire
+from .message import Message, method_call
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def set_allowed_call(serial: int, unit: str, cpus: bytes, mems: bytes | None) ->
     properties = [("AllowedCPUs", wire.Variant("ay", cpus))]
     if mems is not None:
         properties.append(("AllowedMemoryNodes", wire.Variant("ay", mems)))
-    return wire.method_call(
+    return method_call(
         serial,
         SYSTEMD,
         MANAGER_PATH,
@@ -217,7 +218,7 @@ class UnitResult:
         return f"UnitResult({self.unit!r}, {self.outcome!r}, {self.error!s})"
 
 
-def classify(unit: str, reply: wire.Message) -> UnitResult:
+def classify(unit: str, reply: Message) -> UnitResult:
     """A unit's result from systemd's (or the bus's) answer to its call."""
     if reply.type == wire.METHOD_RETURN:
         return UnitResult(unit, SET)

@@ -34,7 +34,7 @@ def holds_cpuset(unit: str, root: str = "/") -> bool | None:
     read, or the unit has no file at all - runc's scopes are transient units, each with its
     file for as long as it exists, so none means systemd's files are not seen here (or the
     unit is gone: systemd says so when asked).  ``unit`` must be a checked unit name
-    (systemd_units.check_unit_name): it becomes a path."""
+    (units.check_unit_name): it becomes a path."""
     files = [os.path.join(root, TRANSIENT, unit)]
     dropins: dict[str, str] = {}
     for base in (*CONTROL, TRANSIENT):  # by precedence: the first file of a name wins

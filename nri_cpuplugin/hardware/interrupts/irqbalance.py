@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import os
 
-from ..base.files import write_atomic
-from ..core.cpuset import CPUSet
-from .irq import parse_mask
+from ...base.files import write_atomic
+from ...core.cpuset import CPUSet
+from .affinity import parse_mask
 
 SOCKET_DIR = "/run/irqbalance"
 ENV = "/run/nri-cpuplugin/irqbalance.env"

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 from collections import deque
 
-from ..base.value import Value
-from ..core import irq as plan_irq
-from ..core.cpuset import CPUSet
-from ..core.events import DEBUG, INFO, WARNING, AuditEvent, event
-from ..core.state import IrqRecord, NodeState
-from . import irq, irqbalance
+from ...base.value import Value
+from ...core import irq as plan_irq
+from ...core.cpuset import CPUSet
+from ...core.events import DEBUG, INFO, WARNING, AuditEvent, event
+from ...core.state import IrqRecord, NodeState
+from . import affinity, irqbalance
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Pass:
         """Read up to ``limit`` interrupts (0: all), fewer when ``enough()`` says so after one;
         once all are read, plan.  Whether more are left to read."""
         if self._reading is None:
-            self._reading = irq.reading(self.roots.proc)
+            self._reading = affinity.reading(self.roots.proc)
         count = 0
         try:
             for one in self._reading:
@@ -104,7 +104,7 @@ class Pass:
                 count += 1
                 if count == limit or enough():
                     return True
-        except irq.IrqError as err:
+        except affinity.IrqError as err:
             self.problem = _event(f"cannot read interrupts: {err}", WARNING)
             return False
         found = sorted(self._found, key=lambda i: i.number)
@@ -138,10 +138,10 @@ class Pass:
                 break
             number, cpus = self.pending.popleft()
             try:
-                irq.write(self.roots.proc, number, cpus)
-            except irq.Refused:
+                affinity.write(self.roots.proc, number, cpus)
+            except affinity.Refused:
                 self.refused.add((number, self.names.get(number, "")))
-            except irq.IrqError as err:
+            except affinity.IrqError as err:
                 self.failed.append(str(err))
             if enough():
                 break

@@ -1,5 +1,5 @@
 """D-Bus messages read from bytes, sans I/O: a byte stream cut into whole messages, each checked
-and decoded into a ``Message`` (dbus_wire.py has the format).
+and decoded into a ``Message`` (wire.py has the format).
 
 Everything read comes from another process: lengths are checked against what is there and
 against the specification's limits (message 128 MiB, array 64 MiB, signature 255, nesting 32
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import struct
 
-from .dbus_wire import (
+from .message import Message
+from .wire import (
     FIELD_TYPES,
     FIXED,
     HEADERS,
@@ -23,7 +24,6 @@ from .dbus_wire import (
     SIGNAL,
     SIGNATURE,
     DBusWireError,
-    Message,
     Variant,
     alignment_of,
     parse_signature,
@@ -32,7 +32,7 @@ from .dbus_wire import (
 
 TYPE_CHECKING = False  # typing is not imported at run time (the OCI hook's start-up cost)
 if TYPE_CHECKING:
-    from .dbus_wire import Node
+    from .wire import Node
 
 
 class _Reader:

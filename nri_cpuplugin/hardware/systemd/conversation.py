@@ -8,7 +8,7 @@ A call sent on a working connection but unanswered at the deadline is *pending*,
 systemd works through a connection's calls in order and will apply it; its answer, when it
 comes, lands in ``late``, one per call in the order they came (a failure there is the
 caller's to act on; a connection that breaks answers each call still pending UNREACHABLE).
-Bytes go in and out and results land in batches: the client (systemd_client.py) only moves
+Bytes go in and out and results land in batches: the client (client.py) only moves
 the bytes and keeps the deadline.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 
-from . import dbus_wire as wire
-from .dbus_auth import auth_external, auth_reply
-from .dbus_unmarshal import MessageReader
-from .systemd_units import (
+from . import wire
+from .auth import auth_external, auth_reply
+from .message import Message, Serials, method_call
+from .units import (
     FAILED,
     PENDING,
     TIMEOUT,
@@ -31,6 +31,7 @@ from .systemd_units import (
     masks,
     set_allowed_call,
 )
+from .unmarshal import MessageReader
 
 TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class Conversation:
     def __init__(self, *, hello: bool, uid: int | None = None) -> None:
         self.hello = hello
         self.uid = os.geteuid() if uid is None else uid
-        self.serials = wire.Serials()
+        self.serials = Serials()
         self.reader = MessageReader(MAX_REPLY)
         self.authenticated = False
         self.name: str | None = None  # our unique name on the bus, once Hello is answered
@@ -117,7 +118,7 @@ class Conversation:
         if self.hello:
             serial = self.serials.next()
             self.in_flight[serial] = _HELLO
-            data += wire.method_call(
+            data += method_call(
                 serial, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
                 "Hello",
             )  # fmt: skip
@@ -175,7 +176,7 @@ class Conversation:
         except (wire.DBusWireError, SystemdError) as e:
             self.fail(UNREACHABLE, SystemdError(f"talking to systemd over D-Bus: {e}", "protocol"))
 
-    def _answer(self, message: wire.Message) -> None:
+    def _answer(self, message: Message) -> None:
         if message.type not in (wire.METHOD_RETURN, wire.ERROR):
             return  # signals (NameAcquired), calls: nothing we asked for
         serial = message.reply_serial or 0
