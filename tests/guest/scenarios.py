@@ -123,21 +123,6 @@ def _first_line(cri: SystemdKubelet, cid: str) -> str:
     return next(line for line in lines if "Cpus_allowed_list" in line).split(":", 1)[1].strip()
 
 
-def guaranteed_pod(address: str, cpus: int = 1) -> dict[str, Any]:
-    """One Guaranteed pod with one container; where it landed."""
-    timings: dict[str, float] = {}
-    with SystemdKubelet(address) as cri:
-        started = time.monotonic()
-        pod = cri.run("smoke", [ContainerSpec.guaranteed("app", cpus, command=FIRST_LINE)])
-        timings["pod_start"] = round(time.monotonic() - started, 2)
-        facts = container_facts(cri, pod["app"])
-        facts["first_line"] = _first_line(cri, pod["app"])
-        facts["pod_slice_expected"] = guest_kubelet.pod_slice(pod.spec)
-        facts["runtime"] = cri.version()
-        facts["timings"] = timings
-        return facts
-
-
 def pinned_and_shared(address: str, exclusive_cpus: int = 2) -> dict[str, Any]:
     """A Burstable pod, then a Guaranteed pod with ``exclusive_cpus`` whole CPUs, with the
     project's daemon running: where each container is once the daemon has placed them."""
@@ -171,4 +156,5 @@ def pinned_and_shared(address: str, exclusive_cpus: int = 2) -> dict[str, Any]:
             "shared_moved_after_s": waited,
             "pinned_pod_slice": guest_kubelet.pod_slice(pinned.spec),
             "shared_pod_slice": guest_kubelet.pod_slice(shared.spec),
+            "runtime": cri.version(),
         }

@@ -108,29 +108,19 @@ def _check_pinned_on_one_core(guest: Guest, runtime: GuestRuntime) -> None:
         "systemd's view of the scope"
     )
     assert facts["shared_moved_after_s"] == 0, "moved by the pinned container's creation"
+    _check_scope_in_pod_slice(facts, runtime)
 
 
-@pytest.fixture(params=RUNTIMES)
-def runtime_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def test_guaranteed_pod_is_a_scope_in_its_pod_slice(guest: Guest, on_runtime: GuestRuntime) -> None:
+def _check_scope_in_pod_slice(facts: dict, runtime: GuestRuntime) -> None:
     """The systemd driver as kubelet uses it: the pod's cgroup parent is the slice name
     ``kubepods-pod<uid>.slice``, and the runtime makes the container a scope inside it (an
     active systemd unit) with the cpuset controller available to it."""
-    started = time.monotonic()
-    facts = guest.call("guest.scenarios:guaranteed_pod", address=on_runtime.cri_socket)
-    print(f"{on_runtime.name}: pod started in {facts['timings']['pod_start']} s "
-          f"(scenario {time.monotonic() - started:.1f} s)")  # fmt: skip
-    print(json.dumps(facts, indent=1))
-    assert facts["runtime"]["runtime_version"].lstrip("v").startswith(on_runtime.release)
-    pod_slice = facts["pod_slice_expected"]
+    assert facts["runtime"]["runtime_version"].lstrip("v").startswith(runtime.release), facts
+    pinned, pod_slice = facts["pinned"], facts["pinned_pod_slice"]
     assert pod_slice.startswith("kubepods-pod") and pod_slice.endswith(".slice")
-    prefix = "crio" if on_runtime.name == "crio" else "cri-containerd"
-    scope = f"{prefix}-{facts['id']}.scope"
-    assert facts["cgroup"] == f"/kubepods.slice/{pod_slice}/{scope}", facts
-    assert facts["cgroups_path"] == f"{pod_slice}:{prefix}:{facts['id']}", facts
-    assert facts["unit_active"] == "active", "the scope is a live systemd unit"
-    assert CONTROLLERS in facts["scope_controllers"], facts
-    assert facts["cpuset_cpus_effective"] == "0-7", "no daemon: the container has every CPU"
+    prefix = "cri-containerd" if runtime.name.startswith("containerd") else "crio"
+    scope = f"{prefix}-{pinned['id']}.scope"
+    assert pinned["cgroup"] == f"/kubepods.slice/{pod_slice}/{scope}", pinned
+    assert pinned["cgroups_path"] == f"{pod_slice}:{prefix}:{pinned['id']}", pinned
+    assert pinned["unit_active"] == "active", "the scope is a live systemd unit"
+    assert CONTROLLERS in pinned["scope_controllers"], pinned
