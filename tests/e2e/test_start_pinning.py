@@ -54,7 +54,13 @@ def test_an_earmarked_container_is_pinned_at_start_and_creation_asks_nobody(
     assert host.cpus_allowed_list(cri.inspect(cid).pid) == "1"
     check_agreement(daemon, cri)
     cri.stop(cid)
-    assert [host.cpus_allowed_list(pid) for pid in pids] == [ALL] * 4
+    # Growing the pool back is no safety matter: when the stop's request outlives the daemon's
+    # budget (a loaded machine) the growth is written after the answer.
+    wait_for(
+        "the shared containers back on every CPU",
+        lambda: [host.cpus_allowed_list(pid) for pid in pids] == [ALL] * 4,
+        timeout=30,
+    )
     check_agreement(daemon, cri)
 
 
