@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from harness.guest import Guest
+from harness.guest_node import DAEMON_UNIT, GuestNode
 from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
 
@@ -128,6 +129,43 @@ def test_no_shared_task_on_exclusive_cpus_through_reloads_and_churn(
         timeout=1500,
         reloads=reloads,
     )
+    _judge_churn(facts, reloads)
+
+
+HIDING_DROP_IN = f"/etc/systemd/system/{DAEMON_UNIT}.d/zz-unit-files-hidden.conf"
+
+
+def test_unit_files_hidden_fail_safe_through_reexec_and_churn(
+    guest: Guest, node: GuestNode, daemon_node: GuestRuntime
+) -> None:
+    """(b) again with systemd's unit files hidden from the daemon (``InaccessiblePaths=`` in a
+    drop-in; the unit grants no capability, so the directories cannot be read): it must say
+    so and take every scope as holding a cpuset - set through systemd, then released - so
+    that a ``daemon-reexec`` and reloads during pod churn still leave no shared task on an
+    exclusive CPU, rather than trusting a hand-over it cannot check."""
+    guest.write(
+        HIDING_DROP_IN,
+        "[Service]\nInaccessiblePaths=-/run/systemd/transient -/run/systemd/system.control "
+        "-/etc/systemd/system.control\n",
+    )
+    try:
+        guest.check(["systemctl", "daemon-reload"], timeout=120)
+        node.start_daemon()
+        facts = _call(
+            guest, "churn_under_reloads", address=daemon_node.cri_socket, timeout=1500, reloads=2
+        )
+        said = [r for r in node.daemon_records("systemd") if r.get("REASON") == "unit-files"]
+    finally:
+        guest.run(["rm", "-f", HIDING_DROP_IN], timeout=60)
+        guest.check(["systemctl", "daemon-reload"], timeout=120)
+        node.start_daemon()
+    assert said, "the daemon did not say that systemd's unit files cannot be read"
+    print(f"said once: {said[0]['MESSAGE']}")
+    assert len(said) == 1, [r["MESSAGE"] for r in said]
+    _judge_churn(facts, 2)
+
+
+def _judge_churn(facts: dict[str, Any], reloads: int) -> None:
     counts = facts["counts"]
     print(
         f"daemon-reload test: {counts['samples']} samples, {counts['scopes_checked']} shared "
