@@ -26,7 +26,8 @@ from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups
 from ..ops.audit import Audit
 from ..ops.config import Settings
-from ..storage.store import Expected, StateStore
+from ..storage.loading import load_state
+from ..storage.store import StateStore
 from . import containers, units
 from .apply import apply_targets
 from .failure import EXIT_OK, EXIT_REFUSED, HookFailure
@@ -296,9 +297,7 @@ class LockedRun:
         runtime says stopped is released, every other one whose cgroup is gone or empty too,
         and the rest synchronized as after an NRI Synchronize.  A state that had to be set
         aside is rebuilt from the records of containers still running."""
-        policy = engine.policy
-        result = self.store.load(Expected(policy.name, None, policy.reserved))
-        loaded = engine.load(result.state, result.problem, result.quarantined, announce=False)
+        stored, loaded = load_state(self.store, engine, announce=False)
         self._fault("loaded")
         records, unusable = self.records.load(dir_fd)
         remove_stale_writes(dir_fd)
@@ -326,7 +325,7 @@ class LockedRun:
         observed = observed.then(engine.synchronize(observed.state, live, pods))
         observed, resized = self._resized(engine, fs, observed, live, records)
         return View(
-            result.state,
+            stored,
             loaded,
             records,
             unusable,

@@ -158,14 +158,7 @@ class Hook:
             topology = cached_topology(s.sysfs, s.state_dir, dir_fd)
         finally:
             os.close(dir_fd)
-        policy = StaticPolicy.from_config(
-            topology,
-            s.reserved_cpus,
-            s.effective_reserved_count,
-            s.policy_options,
-            s.irq_keep_off_exclusive,
-        )
-        return Engine(policy, s.cfs_quota)
+        return s.engine(topology)
 
     def _layout(self) -> cgroupfs.Layout:
         return cgroupfs.detect(self.options.cgroup_root)
