@@ -229,7 +229,9 @@ class LockedRun:
                 self.store.commit(view.observed.state)
                 self.records.remove(dir_fd, [placed.workload.container_id])
             raise HookFailure(str(err)) from None
-        return written, units.tell_systemd(units.scope_changes(fs, plan), self.settings.systemd_bus)
+        changes = units.scope_changes(fs, plan)
+        settings = self.settings
+        return written, units.tell_systemd(changes, settings.systemd_bus, settings.unit_files_root)
 
     def _forget_records(
         self, dir_fd: int, view: View, state: NodeState, targets: Mapping[str, Record]
