@@ -6,7 +6,8 @@ cgroup files were given (docs/cgroups-and-hooks.md §21).  runc gives a scope th
 container's spec; the daemon hands it over to the cgroup files once, the first time it changes
 that container: ``SetUnitProperties`` with the new cpuset (so a re-apply meanwhile puts the
 right one back), then with empty sets (systemd holds none from then on), both as runtime
-properties through systemd's D-Bus API (hardware/systemd/units.py).  From then on the unit is
+properties through systemd's D-Bus API (hardware/systemd/units.py), by the policy the OCI
+hook shares (hardware/systemd/handover.py).  From then on the unit is
 *bare*: the writer (daemon/writer.py) writes its cgroup files and systemd is not asked again -
 on a dense node, an exclusive container's start costs no call per shared container.  A unit is
 bare only once systemd has confirmed its release; until then every change to it is asked of
