@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from .follow import Followed
+    from .topology import Topology
 
 
 class Engine:
@@ -46,6 +47,16 @@ class Engine:
         # "unlimited": exclusive CPUs carry no CFS quota (kubelet >= 1.33 does the same): the
         # cpuset already bounds the container, and quota only adds throttling stalls.
         self.lift_quota = cfs_quota == "unlimited"
+
+    def following(self, topology: Topology) -> Engine:
+        """This engine's policy (reserved CPUs, options, quota rule) on another topology: the
+        CPUs online after a hotplug."""
+        policy = self.policy
+        engine = Engine(
+            StaticPolicy(topology, policy.reserved, policy.options, policy.irq_free_all)
+        )
+        engine.lift_quota = self.lift_quota
+        return engine
 
     # --- targets ------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from ..core.workload import (
     qos_from_cgroup_parent,
 )
 from ..hardware import nic
+from ..hardware.nic_guard import netns_path
 from ..nri.handlers import EVENT_BITS
 from ..nri.pb import nri_pb2 as pb
 from . import events as ev
@@ -179,7 +180,7 @@ def pod_of(pod: pb.PodSandbox) -> ev.Pod:
 
 
 def netns_of(pod: pb.PodSandbox) -> str | None:
-    return nic.netns_path(pod.linux.namespaces)
+    return netns_path(pod.linux.namespaces)
 
 
 def stored(container: pb.Container) -> ev.Stored:

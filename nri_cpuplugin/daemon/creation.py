@@ -6,11 +6,12 @@ daemon/containers.py's."""
 
 from __future__ import annotations
 
-from ..core.eligibility import eligibility
 from ..core.outcome import Outcome, Target
 from ..core.policy import PolicyError
 from ..core.workload import Workload
 from ..hardware import nic
+from ..hardware.netns_links import list_links
+from ..hardware.nic_guard import candidate_locality
 from ..ops import audit as audit_mod
 from . import events as ev
 from . import upkeep
@@ -156,31 +157,24 @@ def _answer_creation(
 
 
 def _nic_locality(node: Node, event: ev.CreateContainer) -> nic.Locality | None:
-    """Where the pod's NICs are, for exclusive candidates only (nobody else's CPUs are
-    chosen): from the read made when the pod started (daemon/pod_nics.py), if any."""
-    workload = event.workload
-    if eligibility(workload)[0] is None:
-        return None
+    """Where the pod's NICs are, for exclusive candidates only (hardware/nic_guard.py): from
+    the read made when the pod started (daemon/pod_nics.py), if any."""
+    used: list[str] = []
+
+    def lister(netns: str | None) -> Listing:
+        # Asked for only when locality reads the interfaces: a read still running is waited
+        # for by candidates alone.
+        read = node.pod_nics.lister_for(event.pod.sandbox_id, netns)
+        if read is None:
+            return list_links(netns)
+        listing = read(netns)
+        used.append(netns or "")  # (not when the read failed)
+        return listing
+
     with node.progress.phase(NIC):
-        read_ahead = node.pod_nics.lister_for(event.pod.sandbox_id, event.netns)
-        used: list[str] = []
-        lister = None
-        if read_ahead is not None:
-            read = read_ahead
-
-            def lister(path: str) -> Listing:
-                listing = read(path)
-                used.append(path)  # (not when the read failed, or locality is off)
-                return listing
-
-        locality = nic.locality(
-            event.netns,
-            workload.annotations,
-            workload.container_name,
-            node.settings.sysfs,
-            node.policy.topology,
-            lister,
+        locality = candidate_locality(
+            event.workload, event.netns, node.settings.sysfs, node.policy.topology, lister
         )
-    if not used:
+    if locality is None or not used:
         return locality
     return locality.evolve(note=f"{locality.note} (interfaces read when the pod started)")

@@ -31,7 +31,6 @@ from typing import Any
 
 from ..core.cpuset import CPUSet
 from ..core.eligibility import eligibility
-from ..core.engine import Engine
 from ..core.outcome import Outcome, Target
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.state import NodeState
@@ -43,7 +42,8 @@ from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 from ..ops.config import Settings, merge, parse_toml
 from ..ops.metrics import NoMetrics
-from ..storage.store import Expected, StateStore
+from ..storage.loading import load_state
+from ..storage.store import StateStore
 from . import containers, creation, earmarks, irq_upkeep, pods, upkeep
 from . import events as ev
 from .background import Background, Inline
@@ -123,16 +123,8 @@ class Node:
         self._build(merge(settings, self.flags))  # a bad configuration fails now
 
     def _build(self, settings: Settings) -> None:
-        topology = discover(settings.sysfs)
-        policy = StaticPolicy.from_config(
-            topology,
-            settings.reserved_cpus,
-            settings.effective_reserved_count,
-            settings.policy_options,
-            settings.irq_keep_off_exclusive,
-        )
         self.settings = settings
-        self.engine = Engine(policy, settings.cfs_quota)
+        self.engine = settings.engine(discover(settings.sysfs))
         # cgroupfs is mounted below sysfs: a generated sysfs tree (tests) has none of the
         # host's cgroups, so nothing is read from or written to them.
         self.liveness = Liveness(f"{settings.sysfs}/fs/cgroup")
@@ -141,7 +133,7 @@ class Node:
         self.routes = Routes(self.writer, self.owed, self.audit, self.progress)
         self.file.retarget(settings.state_dir)
         # Loaded by load_state(), under the lock; until then nothing is decided.
-        self.state = policy.empty_state()
+        self.state = self.policy.empty_state()
         self.loaded = False
 
     @property
@@ -227,13 +219,11 @@ class Node:
         """Read the state file; anything unusable is set aside and we start from empty (the
         runtime's Synchronize, or the next events, fill it in).  Never refuses to start."""
         self.file.claim()
-        policy = self.policy
         with self.file.locked():
-            result = self.store.load(Expected(policy.name, None, policy.reserved))
-            loaded = self.engine.load(result.state, result.problem, result.quarantined)
+            stored, loaded = load_state(self.store, self.engine)
             if loaded.set_aside:
                 self.store.set_aside()
-            if loaded.state == result.state:  # nothing changed: nothing written (a full disk)
+            if loaded.state == stored:  # nothing changed: nothing written (a full disk)
                 self.state = loaded.state
             else:
                 self.commit(Outcome(loaded.state))

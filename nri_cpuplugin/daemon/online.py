@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.engine import Engine
-from ..core.policy import PolicyError, StaticPolicy
+from ..core.policy import PolicyError
 from ..core.topology import TopologyError, discover
 from ..hardware.hotplug import CPUEvent
 from ..ops import audit as audit_mod
@@ -14,7 +14,7 @@ from ..ops.audit import Audit
 
 
 def engine_for_online_cpus(
-    sysfs: str, old: Engine, cfs_quota: str, events: Iterable[CPUEvent], audit: Audit
+    sysfs: str, old: Engine, events: Iterable[CPUEvent], audit: Audit
 ) -> Engine | None:
     """The new engine; None (audited) when nothing changed or the new topology cannot be
     followed (the old one stays)."""
@@ -24,9 +24,7 @@ def engine_for_online_cpus(
         if topology.fingerprint() == old.topology.fingerprint():
             audit.record("hotplug", f"{what}: no change in {sysfs}", audit_mod.DEBUG)
             return None
-        policy = StaticPolicy(
-            topology, old.policy.reserved, old.policy.options, old.policy.irq_free_all
-        )
+        engine = old.following(topology)
     except (TopologyError, PolicyError) as err:
         audit.record(
             "hotplug",
@@ -42,7 +40,7 @@ def engine_for_online_cpus(
         cpus_offline=old.topology.online - topology.online,
         cpus_online=topology.online - old.topology.online,
     )
-    return Engine(policy, cfs_quota)
+    return engine
 
 
 def describe(events: Iterable[CPUEvent]) -> str:

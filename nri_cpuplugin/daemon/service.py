@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,11 +48,9 @@ class Daemon:
         if units is None:
             merged = merge(settings, flags or {})
             path = bus_path(merged.systemd_bus)
-            # systemd's unit files are read where the machine's root is: as configured, else
-            # above its sysfs (units.py fails safe, and says so, where none are to be seen)
-            root = merged.systemd_unit_root or os.path.dirname(merged.sysfs.rstrip("/")) or "/"
+            # (units.py fails safe, and says so, where no unit files are to be seen)
             if path is not None:
-                units = SystemdUnits(audit, path, root, self._finish_hand_over)
+                units = SystemdUnits(audit, path, merged.unit_files_root, self._finish_hand_over)
         self.worker = Worker()
         self.pod_nics = PodNICs()
         self.node = Node(

@@ -6,7 +6,8 @@ cgroup files were given (docs/cgroups-and-hooks.md §21).  runc gives a scope th
 container's spec; the daemon hands it over to the cgroup files once, the first time it changes
 that container: ``SetUnitProperties`` with the new cpuset (so a re-apply meanwhile puts the
 right one back), then with empty sets (systemd holds none from then on), both as runtime
-properties through systemd's D-Bus API (hardware/systemd/units.py).  From then on the unit is
+properties through systemd's D-Bus API (hardware/systemd/units.py), by the policy the OCI
+hook shares (hardware/systemd/handover.py).  From then on the unit is
 *bare*: the writer (daemon/writer.py) writes its cgroup files and systemd is not asked again -
 on a dense node, an exclusive container's start costs no call per shared container.  A unit is
 bare only once systemd has confirmed its release; until then every change to it is asked of
@@ -44,18 +45,12 @@ from ..core.cpuset import CPUSet
 from ..hardware import cpusets
 from ..hardware.systemd import units as su
 from ..hardware.systemd.client import SystemdClient
-from ..hardware.systemd.unit_config import holds_cpuset, unseen
+from ..hardware.systemd.handover import SEND, TIMEOUT, asks_systemd, releasable, releases
+from ..hardware.systemd.unit_config import unseen
 from ..hardware.systemd.units import SystemdError, UnitResult, unit_name
 from ..ops import audit as audit_mod
 from ..ops.audit import Audit
 
-# How long one batch waits for systemd's answers.  Short: the cgroup files already hold the
-# cpusets, and a pod start waits for this wait (an earmark changes every shared unit at once);
-# quick refusals (a scope gone, a bus that says no) come back within it, later ones are owed
-# to the runtime.  Calls unanswered by then stay pending.
-TIMEOUT = 0.1
-# The releases that follow a batch's sets share its wait; this much more at least, to send them.
-SEND = 0.02
 # Seconds before each follow-up (``finish``) while a hand-over is unfinished: soon after a
 # re-exec (systemd takes a moment to come back), then ever less often, never rarer than the last.
 FOLLOW_UP = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -64,7 +59,6 @@ LOST = (su.UNREACHABLE, su.TIMEOUT)  # not applied as far as we know: to be sent
 Change = tuple[str, CPUSet, CPUSet | None]  # unit, cpus, mems
 Item = tuple[str, Change]  # container id, change
 Outcome = tuple[str, UnitResult]  # container id, what became of its set
-NONE = CPUSet()  # a release: both sets empty (hardware/systemd/units.py masks)
 
 
 class HandOver:
@@ -157,7 +151,7 @@ class SystemdUnits:
             self._note(result)
             hand_over = self._open.pop(unit, None) or HandOver(cid, change)
             hand_over.cid, hand_over.change, hand_over.dropped = cid, change, False
-            if result.outcome in (su.SET, su.PENDING):
+            if releasable(result):
                 hand_over.calls += result.outcome == su.PENDING
                 hand_over.lost = hand_over.released = False
                 releases.append(hand_over)
@@ -171,8 +165,7 @@ class SystemdUnits:
         return outcomes
 
     def _release(self, hand_overs: list[HandOver], timeout: float) -> None:
-        changes = [(h.change[0], NONE, NONE) for h in hand_overs]
-        results = self.client.set_allowed(changes, timeout)
+        results = self.client.set_allowed(releases([h.change[0] for h in hand_overs]), timeout)
         self._settle_late()  # (the answers to these units' sets left pending)
         for hand_over, result in zip(hand_overs, results, strict=True):
             unit = hand_over.change[0]
@@ -264,12 +257,10 @@ class SystemdUnits:
                 continue
             if target.container_id in self._bare:
                 continue
-            held = holds_cpuset(unit, self.root)
-            if held is False:  # never given one, or handed over
+            if not asks_systemd(unit, self.root):  # never given one, or handed over
                 self._bare[target.container_id] = unit
                 continue
-            if held is None:
-                self._unseen()
+            self._unseen()
             changes.append((target.container_id, (unit, target.cpus, target.mems or None)))
         return changes, failed
 

@@ -88,10 +88,7 @@ def cpus_changed(node: Node, event: ev.CPUsChanged, deliver: Deliver = keep) -> 
 
 def _follow_online(node: Node, event: ev.CPUsChanged) -> None:
     old = node.engine
-    settings = node.settings
-    engine = engine_for_online_cpus(
-        settings.sysfs, old, settings.cfs_quota, event.events, node.audit
-    )
+    engine = engine_for_online_cpus(node.settings.sysfs, old, event.events, node.audit)
     if engine is None:
         return
     node.engine = engine

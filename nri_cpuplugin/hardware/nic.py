@@ -42,7 +42,7 @@ from .netns_links import STACKED_KINDS, Link, NICError, list_links
 TYPE_CHECKING = False  # typing is not imported at run time (start-up cost)
 if TYPE_CHECKING:
     # socket and threading are imported when a namespace is inspected
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
     from typing import Any
 
 
@@ -55,7 +55,6 @@ MODES = ("prefer", "strict", "off")
 # Bounds on untrusted input and on the work one creation may cause.
 MAX_NAMED = 16
 IFNAMSIZ = 16
-NETWORK = "network"
 
 
 class NIC(Value):
@@ -128,18 +127,6 @@ def request(annotations: Mapping[str, str], container_name: str) -> Request:
                     "bad-annotation",
                 )
     return Request(names, mode)
-
-
-def netns_path(namespaces: Iterable[Any]) -> str | None:
-    """The network namespace path among NRI ``LinuxNamespace`` messages or OCI
-    ``linux.namespaces`` entries (dicts); None for the host network (no such entry, or one
-    without a path, which on a container means "a new one the runtime makes")."""
-    for ns in namespaces:
-        kind = ns.get("type") if isinstance(ns, dict) else getattr(ns, "type", None)
-        path = ns.get("path") if isinstance(ns, dict) else getattr(ns, "path", None)
-        if kind == NETWORK and isinstance(path, str) and path:
-            return path
-    return None
 
 
 # --- sysfs ----------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS, ContainerCgroups
 from ..ops.audit import Audit
 from ..ops.config import Settings
-from ..storage.store import Expected, StateStore
+from ..storage.loading import load_state
+from ..storage.store import StateStore
 from . import containers, units
 from .apply import apply_targets
 from .failure import EXIT_OK, EXIT_REFUSED, HookFailure
@@ -228,7 +229,9 @@ class LockedRun:
                 self.store.commit(view.observed.state)
                 self.records.remove(dir_fd, [placed.workload.container_id])
             raise HookFailure(str(err)) from None
-        return written, units.tell_systemd(units.scope_changes(fs, plan), self.settings.systemd_bus)
+        changes = units.scope_changes(fs, plan)
+        settings = self.settings
+        return written, units.tell_systemd(changes, settings.systemd_bus, settings.unit_files_root)
 
     def _forget_records(
         self, dir_fd: int, view: View, state: NodeState, targets: Mapping[str, Record]
@@ -296,9 +299,7 @@ class LockedRun:
         runtime says stopped is released, every other one whose cgroup is gone or empty too,
         and the rest synchronized as after an NRI Synchronize.  A state that had to be set
         aside is rebuilt from the records of containers still running."""
-        policy = engine.policy
-        result = self.store.load(Expected(policy.name, None, policy.reserved))
-        loaded = engine.load(result.state, result.problem, result.quarantined, announce=False)
+        stored, loaded = load_state(self.store, engine, announce=False)
         self._fault("loaded")
         records, unusable = self.records.load(dir_fd)
         remove_stale_writes(dir_fd)
@@ -326,7 +327,7 @@ class LockedRun:
         observed = observed.then(engine.synchronize(observed.state, live, pods))
         observed, resized = self._resized(engine, fs, observed, live, records)
         return View(
-            result.state,
+            stored,
             loaded,
             records,
             unusable,

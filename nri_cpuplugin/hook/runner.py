@@ -29,13 +29,13 @@ import os
 
 from ..base.files import FileError
 from ..base.value import Value
-from ..core.eligibility import eligibility
 from ..core.engine import Engine
 from ..core.events import DEBUG, NOTICE, WARNING
 from ..core.policy import PolicyError, StaticPolicy
 from ..core.workload import Workload
 from ..hardware import cgroupfs
 from ..hardware.cgroupfs import CgroupError, CgroupFS
+from ..hardware.nic_guard import candidate_locality, netns_path
 from ..ops.audit import Audit
 from ..ops.config import Settings
 from ..storage import owner
@@ -135,16 +135,8 @@ class Hook:
         as in the daemon (nic is imported only for these).  Bad annotations and a strict
         locality that cannot be inspected are refusals."""
         try:
-            if eligibility(workload)[0] is None:
-                return None
-            from ..hardware import nic
-
-            return nic.locality(
-                nic.netns_path(config.namespaces),
-                workload.annotations,
-                workload.container_name,
-                self.settings.sysfs,
-                policy.topology,
+            return candidate_locality(
+                workload, netns_path(config.namespaces), self.settings.sysfs, policy.topology
             )
         except PolicyError as err:
             raise HookFailure(str(err), EXIT_REFUSED, "refuse", **workload.identity()) from None
@@ -158,14 +150,7 @@ class Hook:
             topology = cached_topology(s.sysfs, s.state_dir, dir_fd)
         finally:
             os.close(dir_fd)
-        policy = StaticPolicy.from_config(
-            topology,
-            s.reserved_cpus,
-            s.effective_reserved_count,
-            s.policy_options,
-            s.irq_keep_off_exclusive,
-        )
-        return Engine(policy, s.cfs_quota)
+        return s.engine(topology)
 
     def _layout(self) -> cgroupfs.Layout:
         return cgroupfs.detect(self.options.cgroup_root)

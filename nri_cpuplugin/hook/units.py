@@ -1,17 +1,19 @@
-"""The hook's cpuset changes to containers of the systemd cgroup driver, made as systemd keeps
-them: after the cgroup files are written, each such container's scope gets the same CPUs (and
-memory nodes) as its ``AllowedCPUs``/``AllowedMemoryNodes`` through systemd's D-Bus API
-(hardware/systemd/units.py, client.py), so ``systemctl daemon-reload`` does not put an
-older cpuset back.
+"""The hook's cpuset changes to containers of the systemd cgroup driver, made so that systemd
+keeps them, by the daemon's hand-over policy (hardware/systemd/handover.py): once the cgroup
+files are written, a scope whose unit configuration still holds a cpuset is set to the same CPUs
+(and memory nodes) through systemd's D-Bus API, then released; a scope that holds none - never
+given one, or handed over by an earlier run - is asked nothing.  So on a dense node an
+exclusive container's start asks systemd nothing for the shared containers once they were
+handed over.
 
-The D-Bus client is imported only when a run changes a scope: on a cgroupfs node the hook's
-start-up pays nothing for it.  What systemd does not take is reported, not fatal: the cgroups
-are written already, and only a later re-application of the unit by systemd would undo them.
+The D-Bus client is imported only when a run asks systemd something: on a cgroupfs node, and
+for scopes handed over, the hook's start-up pays nothing for it.  What systemd does not take is
+reported, not fatal: the cgroups are written already, and only a later re-application of the
+unit by systemd would undo them.
 """
 
 from __future__ import annotations
 
-from ..core.cpuset import CPUSet
 from ..core.outcome import Target
 from ..hardware.cgroupfs import CgroupError, CgroupFS
 from .records import Record
@@ -20,10 +22,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-# One batch for the whole run, inside the runtime's hook timeout (CRI-O allows 2 s and more).
-TIMEOUT = 1.0
-
-Change = tuple[str, CPUSet, "CPUSet | None"]
+    from ..hardware.systemd.handover import Change
 
 
 def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list[Change]:
@@ -44,22 +43,29 @@ def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list
     return changes
 
 
-def tell_systemd(changes: list[Change], setting: str) -> list[str]:
-    """Set the units' properties; one line per unit systemd did not take (or why none could
-    be), for the audit trail."""
+def tell_systemd(changes: list[Change], setting: str, root: str) -> list[str]:
+    """Hand the changed units over (hardware/systemd/handover.py), reading their configuration
+    below ``root``; one line per unit systemd did not take (or why none could be), for the
+    audit trail."""
     if not changes:
         return []
-    from ..hardware.systemd import units as su  # only now: see the module docstring
-    from ..hardware.systemd.client import SystemdClient
+    from ..hardware.systemd import handover
+    from ..hardware.systemd import units as su
 
+    try:
+        asked = [c for c in changes if handover.asks_systemd(su.check_unit_name(c[0]), root)]
+    except su.SystemdError as err:
+        return [str(err)]
+    if not asked:
+        return []  # every scope handed over already: its cgroup files are all it takes
     path = su.bus_path(setting)
     if path is None:
         return [] if setting == "off" else ["no systemd bus found to keep the cpusets in"]
+    from ..hardware.systemd.client import SystemdClient  # only now: see the module docstring
+
     try:
-        for unit, _, _ in changes:
-            su.check_unit_name(unit)
         with SystemdClient(path) as client:
-            results = client.set_allowed(changes, TIMEOUT)
+            results = handover.hand_over(client, asked, handover.TIMEOUT)
     except su.SystemdError as err:
         return [str(err)]
     return [f"{r.unit}: {r.error}" for r in results if not r.ok]

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import Any
 
+    from ..core.engine import Engine
+    from ..core.topology import Topology
+
     # A key's check: (value as read, "where: key" for the message) -> the value Settings holds.
     Check = Callable[[Any, str], Any]
 
@@ -95,6 +98,26 @@ class Settings(Value):
         if self.reserved_cpus is None and self.reserved_cpu_count is None:
             return 1
         return self.reserved_cpu_count
+
+    @property
+    def unit_files_root(self) -> str:
+        """Where systemd's unit files are read (hardware/systemd/unit_config.py): as configured,
+        else the directory above sysfs (a generated sysfs in tests has its own beside it)."""
+        return self.systemd_unit_root or os.path.dirname(self.sysfs.rstrip("/")) or "/"
+
+    def engine(self, topology: Topology) -> Engine:
+        """The engine these settings make on ``topology``: the one build of both front ends."""
+        from ..core.engine import Engine
+        from ..core.policy import StaticPolicy
+
+        policy = StaticPolicy.from_config(
+            topology,
+            self.reserved_cpus,
+            self.effective_reserved_count,
+            self.policy_options,
+            self.irq_keep_off_exclusive,
+        )
+        return Engine(policy, self.cfs_quota)
 
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:

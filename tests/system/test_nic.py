@@ -19,6 +19,7 @@ from nri_cpuplugin.core.placement import NICPreference
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.workload import GUARANTEED, Workload
 from nri_cpuplugin.hardware import netns_links, nic
+from nri_cpuplugin.hardware.nic_guard import netns_path
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.status import snapshot
@@ -97,10 +98,10 @@ def test_bad_annotations_are_refused_with_the_reason(annotations, message):
 
 def test_netns_path_from_nri_and_oci_namespaces():
     nri = [pb.LinuxNamespace(type="ipc"), pb.LinuxNamespace(type="network", path="/run/netns/x")]
-    assert nic.netns_path(nri) == "/run/netns/x"
-    assert nic.netns_path([{"type": "network", "path": "/proc/7/ns/net"}]) == "/proc/7/ns/net"
-    assert nic.netns_path([{"type": "network"}]) is None  # a new one: not a pod's
-    assert nic.netns_path([{"type": "pid", "path": "/proc/7/ns/pid"}]) is None
+    assert netns_path(nri) == "/run/netns/x"
+    assert netns_path([{"type": "network", "path": "/proc/7/ns/net"}]) == "/proc/7/ns/net"
+    assert netns_path([{"type": "network"}]) is None  # a new one: not a pod's
+    assert netns_path([{"type": "pid", "path": "/proc/7/ns/pid"}]) is None
 
 
 # --- sysfs -------------------------------------------------------------------------------------

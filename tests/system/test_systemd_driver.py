@@ -485,13 +485,82 @@ def test_the_hook_keeps_its_cpusets_in_the_scopes_properties(tmp_path, systemd):
     )
     assert node.hook("pg") == 0, node.err.getvalue()
     assert node.fake.read(db, "cpuset.cpus") == "1,25"
-    units = {c["unit"]: c["properties"] for c in fake_systemd.calls()}
+    units: dict[str, list] = {}
+    for call in fake_systemd.calls():
+        units.setdefault(call["unit"], []).append(call["properties"])
+    # No unit files to be seen here: each scope is taken as holding a cpuset, so it is set to
+    # what its files were given, then released (hardware/systemd/handover.py).
     assert units["crio-pg.scope"] == [
-        ["AllowedCPUs", "ay", "02000002"],
-        ["AllowedMemoryNodes", "ay", "01"],
+        [["AllowedCPUs", "ay", "02000002"], ["AllowedMemoryNodes", "ay", "01"]],
+        RELEASE,
     ]
-    assert cpus_of(units["crio-nginx.scope"]) == set(range(48)) - {1, 25}
+    assert cpus_of(units["crio-nginx.scope"][-2]) == set(range(48)) - {1, 25}
+    assert units["crio-nginx.scope"][-1] == RELEASE
     assert not [r for r in node.records if r["ACTION"] == "systemd"]
+
+
+def systemd_keeps(fake_systemd: FakeSystemd, root, seen: int) -> int:
+    """What systemd keeps of the calls from ``seen`` on: a runtime drop-in per unit and
+    property (``<unit>.d/50-AllowedCPUs.conf``), as it writes them for a transient unit; the
+    number of calls now."""
+    calls = fake_systemd.calls()
+    for call in calls[seen:]:
+        dropins = root / "run" / "systemd" / "transient" / f"{call['unit']}.d"
+        dropins.mkdir(parents=True, exist_ok=True)
+        for name, _, mask in call["properties"]:
+            bits = int.from_bytes(bytes.fromhex(mask), "little")
+            cpus = ",".join(str(c) for c in range(bits.bit_length()) if bits >> c & 1)
+            (dropins / f"50-{name}.conf").write_text(f"[Scope]\n{name}=\n{name}={cpus}\n")
+    return len(calls)
+
+
+@pytest.mark.parametrize("shared", [0, 8, 32])
+def test_the_hook_asks_systemd_nothing_for_scopes_handed_over(tmp_path, systemd, shared):
+    """Scopes created holding a cpuset (runc's unit file with AllowedCPUs): each is handed over
+    the first time the hook writes it; from then on an exclusive start makes the new
+    container's calls only, none per shared scope, and every shared scope is still kept off
+    the exclusive CPUs (written to its cgroup files)."""
+    bus, fake_systemd = systemd
+    node = HookNode(tmp_path, bus.socket)
+    root = node.sysfs.parent  # the unit files' root: the directory above sysfs
+    transient = root / "run" / "systemd" / "transient"
+    transient.mkdir(parents=True)
+    seen, webs = 0, []
+    for i in range(shared):
+        webs.append(node.container(f"web{i}", f"kubepods-burstable-podw{i}.slice", 500,
+                                   f"w{i}", effective="0-47"))  # fmt: skip
+        (transient / f"crio-web{i}.scope").write_text("[Scope]\nAllowedCPUs=0-47\n")
+        assert node.hook(f"web{i}") == 0, node.err.getvalue()
+        seen = systemd_keeps(fake_systemd, root, seen)
+    calls_per_start = []
+    for n, (exclusive, pool) in enumerate([("1,25", POOL), ("2,26", "0,3-24,27-47")]):
+        for web in webs:  # what the kernel will report once the shared scopes shrink
+            (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text(pool)
+        db = node.container(f"pg{n}", f"kubepods-poddb{n}.slice", 2000, f"db{n}",
+                            effective=exclusive, mems_effective="0")  # fmt: skip
+        (transient / f"crio-pg{n}.scope").write_text("[Scope]\nAllowedCPUs=0-47\n")
+        assert node.hook(f"pg{n}") == 0, node.err.getvalue()
+        assert node.fake.read(db, "cpuset.cpus") == exclusive
+        assert {node.fake.read(web, "cpuset.cpus") for web in webs} <= {pool}
+        calls = fake_systemd.calls()[seen:]
+        calls_per_start.append([(c["unit"], c["properties"] == RELEASE) for c in calls])
+        seen = systemd_keeps(fake_systemd, root, seen)
+    # The new container's own scope: set, then released; no shared scope is asked.
+    assert calls_per_start == [
+        [(f"crio-pg{n}.scope", False), (f"crio-pg{n}.scope", True)] for n in range(2)
+    ]
+
+
+def test_the_hook_asks_systemd_nothing_for_scopes_that_hold_no_cpuset(tmp_path, systemd):
+    """A scope created with no cpuset in its spec (CRI-O's usual) is bare from the start."""
+    bus, fake_systemd = systemd
+    node = HookNode(tmp_path, bus.socket)
+    transient = node.sysfs.parent / "run" / "systemd" / "transient"
+    transient.mkdir(parents=True)
+    (transient / "crio-pg.scope").write_text("[Scope]\nDelegate=yes\n")
+    node.container("pg", "kubepods-poddb.slice", 2000, "db", effective="1,25", mems_effective="0")
+    assert node.hook("pg") == 0, node.err.getvalue()
+    assert fake_systemd.calls() == []
 
 
 def test_the_hook_says_when_systemd_did_not_take_a_cpuset(tmp_path, systemd):

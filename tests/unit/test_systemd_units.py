@@ -26,9 +26,9 @@ from jeepney.low_level import Parser as JeepneyParser
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.daemon.units import SystemdUnits
 from nri_cpuplugin.hardware.cpusets import Target
+from nri_cpuplugin.hardware.systemd import handover, wire
 from nri_cpuplugin.hardware.systemd import message as msg
 from nri_cpuplugin.hardware.systemd import units as su
-from nri_cpuplugin.hardware.systemd import wire
 from nri_cpuplugin.hardware.systemd.auth import auth_external
 from nri_cpuplugin.hardware.systemd.client import SystemdClient
 from nri_cpuplugin.hardware.systemd.conversation import WINDOW, Conversation, in_order
@@ -881,3 +881,40 @@ def test_a_release_is_two_empty_masks_and_an_empty_set_alone_is_refused() -> Non
     assert su.masks(CPUSet.parse("0-3"), None) == (b"\x0f", None)
     with pytest.raises(SystemdError):
         su.masks(CPUSet(), None)
+
+
+# --- the hand-over policy (hardware/systemd/handover.py) ------------------------------------------
+
+
+class _Recorder:
+    """A client that answers each unit's set as ``outcomes`` says (SET when unnamed)."""
+
+    def __init__(self, outcomes: dict[str, str]) -> None:
+        self.outcomes = outcomes
+        self.batches: list[list[tuple]] = []
+
+    def set_allowed(self, changes, timeout):
+        self.batches.append(list(changes))
+        return [su.UnitResult(c[0], self.outcomes.get(c[0], su.SET)) for c in changes]
+
+
+def test_a_hand_over_releases_what_systemd_set_or_will_set_and_nothing_else() -> None:
+    client = _Recorder({"b.scope": su.PENDING, "c.scope": su.DENIED, "d.scope": su.GONE})
+    changes = [(f"{u}.scope", CPUSet.parse("2-3"), None) for u in "abcd"]
+    results = handover.hand_over(client, changes, handover.TIMEOUT)
+    assert [r.outcome for r in results] == [su.SET, su.PENDING, su.DENIED, su.GONE]
+    sets, released = client.batches
+    assert sets == changes
+    assert released == [("a.scope", CPUSet(), CPUSet()), ("b.scope", CPUSet(), CPUSet())]
+
+
+def test_only_a_unit_whose_configuration_holds_no_cpuset_is_not_asked(tmp_path) -> None:
+    transient = tmp_path / "run" / "systemd" / "transient"
+    (transient / "held.scope.d").mkdir(parents=True)
+    (transient / "held.scope").write_text("[Scope]\nAllowedCPUs=0-3\n")
+    (transient / "bare.scope").write_text("[Scope]\nAllowedCPUs=0-3\n")
+    (transient / "bare.scope.d").mkdir()
+    (transient / "bare.scope.d" / "50-AllowedCPUs.conf").write_text("[Scope]\nAllowedCPUs=\n")
+    assert handover.asks_systemd("held.scope", str(tmp_path))
+    assert not handover.asks_systemd("bare.scope", str(tmp_path))
+    assert handover.asks_systemd("unseen.scope", str(tmp_path))  # no file: taken as held
