@@ -9,9 +9,15 @@ generated tree has none, or tests/fake_cgroup_v2.py's FAKE one).
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 from typing import Any
 
+from nri_cpuplugin.base import files
+from nri_cpuplugin.daemon import events as ev
 from nri_cpuplugin.daemon.service import Daemon
+from nri_cpuplugin.hardware import hotplug
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.storage.store import StateStore
@@ -25,6 +31,45 @@ class Records(list):
 
     def of(self, action: str) -> list[dict]:
         return [r for r in self if r["ACTION"] == action]
+
+
+class Threads(Records):
+    """Audit records as the journal gets them, and for each the thread that made it and the
+    CPUs that thread may run on then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made_on: dict[str, list[tuple[str, set[int]]]] = {}
+
+    def __call__(self, record: dict) -> None:
+        super().__call__(record)
+        here = (threading.current_thread().name, os.sched_getaffinity(0))
+        self.made_on.setdefault(record["ACTION"], []).append(here)
+
+
+class SlowDisk:
+    """The state file's durable write (write, fsync, rename, fsync) blocks until ``go``;
+    ``entered`` is set once a write waits there."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        write = files.write_atomic
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            assert self.gate.wait(60), "the slow disk was never let go"
+            return write(*args, **kwargs)
+
+        monkeypatch.setattr(files, "write_atomic", slow)
+
+    def go(self) -> None:
+        self.gate.set()
+
+
+def on_disk(daemon: Daemon) -> Any:
+    """The state the daemon's state file holds."""
+    return StateStore(daemon.node.settings.state_dir).peek().state
 
 
 class Driver:
@@ -73,6 +118,11 @@ class Driver:
         self.run(submit())
         self.settle()
 
+    def hotplug(self, action: str, cpu: int) -> None:
+        """A kernel uevent for ``cpu``, as the daemon's hotplug listener submits it (stamped
+        with the time it read it), followed to its end."""
+        self.submit(ev.CPUsChanged((hotplug.CPUEvent(action, cpu, time.monotonic()),)))
+
     def settle(self) -> None:
         """Wait until every event queued so far (late work, background events) has run."""
         assert self.run(self.daemon.drain(timeout=30)), "the worker did not settle in 30 s"
@@ -90,7 +140,7 @@ class Driver:
         return self.daemon.node.settings
 
     def on_disk(self) -> Any:
-        return StateStore(self.settings.state_dir).peek().state
+        return on_disk(self.daemon)
 
     def close(self) -> None:
         """What the end of the daemon's process would give up: its claim on the state

@@ -15,10 +15,10 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
+from builders import container, pod
 from daemon_driver import Driver
 from fake_cgroup_v2 import FakeV2, on_generated_node
 from fake_systemd import FakeSystemd, PrivateBus
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet

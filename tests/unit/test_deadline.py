@@ -13,20 +13,19 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from daemon_driver import Driver, Records
+from builders import container, creation, guaranteed_pod, node_settings, pod
+from daemon_driver import Driver, Records, SlowDisk, Threads, on_disk
 from fake_runtime import FakeRuntime
-from nri_messages import container, guaranteed_pod, pod
-from topologies import build
+from model_stall import until
 
 from nri_cpuplugin.base import files
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.core.workload import from_nri
 from nri_cpuplugin.daemon import events as ev
-from nri_cpuplugin.daemon.adapter import netns_of, pod_of
+from nri_cpuplugin.daemon.adapter import pod_of
 from nri_cpuplugin.daemon.node import Node
 from nri_cpuplugin.daemon.progress import STATE_LOCK
 from nri_cpuplugin.daemon.service import Daemon
@@ -37,7 +36,6 @@ from nri_cpuplugin.nri.stub import Stub
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.metrics import Metrics
-from nri_cpuplugin.storage.store import StateStore
 
 P = CPUSet.parse
 BUDGET = 0.3
@@ -45,55 +43,6 @@ BUDGET = 0.3
 SLACK = 0.5
 ONLINE = P("0-47")
 WORKER = "nri-cpuplugin-worker"  # the worker thread's name (daemon/worker.py)
-
-
-def node_settings(tmp_path: Path, budget: float = BUDGET, state: str = "state") -> Settings:
-    """The generated 48-CPU node (a tree of its own at each call), its state in
-    ``tmp_path/<state>``."""
-    root, _ = build("xeon-e5-2680v3-2s", tmp_path)
-    return Settings(
-        sysfs=str(root),
-        state_dir=str(tmp_path / state),
-        reserved_cpu_count=2,
-        nri_request_budget=budget,
-    )
-
-
-class SlowDisk:
-    """The state file's durable write (write, fsync, rename, fsync) blocks until ``go``."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        write = files.write_atomic
-
-        def slow(*args, **kwargs):
-            self.entered.set()
-            self.gate.wait(30)
-            return write(*args, **kwargs)
-
-        monkeypatch.setattr(files, "write_atomic", slow)
-
-    def go(self) -> None:
-        self.gate.set()
-
-
-class Threads(Records):
-    """Audit records as the journal gets them, and for each the thread that made it and the
-    CPUs that thread may run on then."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made_on: dict[str, list[tuple[str, set[int]]]] = {}
-
-    def __call__(self, record: dict) -> None:
-        super().__call__(record)
-        here = (threading.current_thread().name, os.sched_getaffinity(0))
-        self.made_on.setdefault(record["ACTION"], []).append(here)
-
-
-def on_disk(daemon: Daemon) -> object:
-    return StateStore(daemon.node.settings.state_dir).peek().state
 
 
 @contextlib.asynccontextmanager
@@ -126,14 +75,6 @@ async def timed(coro):
     return result, time.monotonic() - started
 
 
-async def until(condition: Callable[[], bool], limit: float = 10.0) -> None:
-    """Until ``condition()`` holds, looked at from the event loop; fails after ``limit`` s."""
-    give_up = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < give_up, f"{condition.__doc__} not within {limit} s"
-        await asyncio.sleep(0.005)
-
-
 def waits_for_the_lock(daemon: Daemon) -> Callable[[], bool]:
     def waiting() -> bool:
         """the worker's job waiting for the state lock"""
@@ -149,11 +90,6 @@ def resize(milli: int) -> pb.LinuxResources:
     r.cpu.shares.value = milli * 1024 // 1000
     r.cpu.quota.value, r.cpu.period.value = milli * 100, 100000
     return r
-
-
-def creation(sandbox: pb.PodSandbox, ctr: pb.Container) -> ev.CreateContainer:
-    """The event the NRI adapter makes of a CreateContainer (daemon/adapter.py)."""
-    return ev.CreateContainer(from_nri(sandbox, ctr), pod_of(sandbox), netns_of(sandbox))
 
 
 CID = {name: name.ljust(64, "0") for name in ("pg", "nginx", "web2", "big", "redis")}

@@ -16,9 +16,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from builders import container, guaranteed_pod, pod
 from daemon_driver import Driver
 from model_stall import SlowIrqWrites
-from nri_messages import container, guaranteed_pod, pod
 from proc_gen import affinities, proc_tree
 from topologies import build
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from builders import container, pod
 from daemon_driver import Driver, Records
 from fake_cgroup_v2 import FakeV2, on_generated_node
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
