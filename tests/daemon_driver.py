@@ -67,6 +67,25 @@ class SlowDisk:
         self.gate.set()
 
 
+class Timers:
+    """The daemon's timers (``Daemon(later=...)``), held: the events they would submit after
+    their delay wait here for the test to submit them, or look at them (time never passes by
+    itself)."""
+
+    def __init__(self) -> None:
+        self.due: list[object] = []
+
+    def __call__(self, delay: float, event: object) -> bool:
+        self.due.append(event)
+        return True
+
+    def take(self, kind: type) -> list[object]:
+        """The events of ``kind`` set since the last take (no longer due)."""
+        taken = [e for e in self.due if isinstance(e, kind)]
+        self.due = [e for e in self.due if not isinstance(e, kind)]
+        return taken
+
+
 def on_disk(daemon: Daemon) -> Any:
     """The state the daemon's state file holds."""
     return StateStore(daemon.node.settings.state_dir).peek().state

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 from builders import container, creation, guaranteed_pod, node_settings, pod
-from daemon_driver import Driver, Records, SlowDisk, Threads, on_disk
+from daemon_driver import Driver, Records, SlowDisk, Threads, Timers, on_disk
 from fake_runtime import FakeRuntime
 from model_stall import until
 
@@ -163,8 +163,8 @@ def test_the_budget_is_kept_below_the_runtimes_own_timeout(tmp_path, daemons):
 def test_exclusive_create_behind_a_held_lock_is_refused_in_time_and_never_assigned(
     tmp_path, daemons, holders
 ):
-    daemon, records = daemons(node_settings(tmp_path))
-    daemon.node.metrics = Metrics()
+    metrics = Metrics()
+    daemon, records = daemons(node_settings(tmp_path), metrics=metrics)
     nri = daemon.adapter
     db = pod("db")
 
@@ -195,7 +195,7 @@ def test_exclusive_create_behind_a_held_lock_is_refused_in_time_and_never_assign
     state = daemon.node.state
     assert CID["pg"] not in state.assignments and state.shared == ONLINE
     assert on_disk(daemon).assignments == {}
-    registry = daemon.node.metrics.registry
+    registry = metrics.registry
     labels = {"event": "CreateContainer", "reason": "state-lock"}
     assert registry.get_sample_value("nri_cpuplugin_deadline_misses_total", labels) == 1
     assert registry.get_sample_value("nri_cpuplugin_pinning_errors_total") == 1
@@ -329,8 +329,8 @@ def test_exclusive_create_whose_commit_is_slow_is_refused_and_released_again(
 ):
     """The decision was being committed when the budget ran out: it is durable by the time
     the job sees the answer, so it is released again at once - in memory and on disk."""
-    daemon, records = daemons(node_settings(tmp_path))
-    daemon.node.metrics = Metrics()
+    metrics = Metrics()
+    daemon, records = daemons(node_settings(tmp_path), metrics=metrics)
     nri = daemon.adapter
     web, db = pod("web", "burstable"), pod("db")
 
@@ -359,7 +359,7 @@ def test_exclusive_create_whose_commit_is_slow_is_refused_and_released_again(
     assert on_disk(daemon).assignments == {}
     assert CID["nginx"] in on_disk(daemon).sharing
     labels = {"event": "CreateContainer", "reason": "commit"}
-    registry = daemon.node.metrics.registry
+    registry = metrics.registry
     assert registry.get_sample_value("nri_cpuplugin_deadline_misses_total", labels) == 1
 
 
@@ -669,8 +669,9 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
 # --- background work is the worker's too ------------------------------------------------------
 
 
-def restarted_with_pg(tmp_path, daemons) -> tuple[Daemon, Records]:
-    """A daemon started on the state a previous one left: "pg", known only from the file."""
+def restarted_with_pg(tmp_path, daemons, timers: Timers) -> tuple[Daemon, Records]:
+    """A daemon started on the state a previous one left: "pg", known only from the file; its
+    timers held in ``timers``."""
     settings = node_settings(tmp_path)
     first = Driver(settings)
     try:
@@ -679,13 +680,14 @@ def restarted_with_pg(tmp_path, daemons) -> tuple[Daemon, Records]:
         first.create_container(db, container("pg", db, 2000))
     finally:
         first.close()  # the old daemon is gone (its claim with it)
-    return daemons(settings)
+    return daemons(settings, later=timers)
 
 
 def test_the_sweep_runs_on_the_worker_behind_the_events(tmp_path, daemons, holders, monkeypatch):
     """Containers known only from the state file are checked by a background sweep: on the
     worker thread, so it waits its turn (and for the lock) like any event, never on the loop."""
-    daemon, records = restarted_with_pg(tmp_path, daemons)
+    timers = Timers()
+    daemon, records = restarted_with_pg(tmp_path, daemons, timers)
     asked: list[str] = []  # the threads that checked a cgroup; none tells (no cgroups here)
     monkeypatch.setattr(
         Liveness, "alive", lambda self, path: asked.append(threading.current_thread().name)
@@ -693,7 +695,7 @@ def test_the_sweep_runs_on_the_worker_behind_the_events(tmp_path, daemons, holde
 
     async def scenario():
         await daemon.adapter.configure("", "containerd", "v2.1.9")
-        assert len(daemon.node.unverified) == 1 and daemon.node.sweeping
+        assert len(daemon.node.unverified) == 1 and timers.take(ev.SweepRound)  # its first
         holder = holders(daemon.node.settings.state_dir)
         daemon.deadline.submit(ev.SweepRound())  # as its timer does, on the loop
         await until(waits_for_the_lock(daemon))  # started on the worker ...
@@ -704,8 +706,8 @@ def test_the_sweep_runs_on_the_worker_behind_the_events(tmp_path, daemons, holde
 
     asyncio.run(scenario())
     assert asked and set(asked) == {WORKER}
-    # No cgroup tells that pg still runs, so it stays; the round is done and another queued.
-    assert len(daemon.node.unverified) == 1 and daemon.node.sweeping
+    # No cgroup tells that pg still runs, so it stays; the round is done and another set.
+    assert len(daemon.node.unverified) == 1 and len(timers.take(ev.SweepRound)) == 1
     assert not records.of("deadline")
 
 
@@ -715,7 +717,8 @@ def test_a_sweep_round_that_fails_ends_its_chain_and_the_next_start_sweeps_again
     """A round that fails (a bug) schedules no other, each to fail again; the runtime's next
     Configure begins a new chain.  Here the sweep looks for the cgroup of a pod the runtime
     listed with its earmark (whose removal containerd may not relay), and that look fails."""
-    daemon, _ = daemons(node_settings(tmp_path))
+    timers = Timers()
+    daemon, _ = daemons(node_settings(tmp_path), later=timers)
     nri = daemon.adapter
     db = guaranteed_pod("db", 2000)
 
@@ -726,14 +729,14 @@ def test_a_sweep_round_that_fails_ends_its_chain_and_the_next_start_sweeps_again
         await nri.configure("", "containerd", "v2.1.9")
         await nri.run_pod_sandbox(db)
         await nri.synchronize([db], [])
-        assert daemon.node.sweeping  # for the earmarked pod's cgroup
+        [first] = timers.take(ev.SweepRound)  # for the earmarked pod's cgroup
         with monkeypatch.context() as patched:
             patched.setattr(Liveness, "pod_gone", broken)
-            daemon.deadline.submit(ev.SweepRound())
+            daemon.deadline.submit(first)  # its timer is due
             assert await daemon.drain()
-            assert not daemon.node.sweeping
+            assert timers.take(ev.SweepRound) == []  # no next round
         await nri.configure("", "containerd", "v2.1.9")
-        assert daemon.node.sweeping
+        assert len(timers.take(ev.SweepRound)) == 1
 
     asyncio.run(scenario())
 
@@ -743,19 +746,21 @@ def test_a_sweep_round_whose_checks_fail_is_followed_by_the_next(
 ):
     """Checking the containers known only from the state file fails (a cgroup that cannot be
     read as expected, a lock that cannot be had): said, and tried again at the next round."""
-    daemon, _ = restarted_with_pg(tmp_path, daemons)
+    timers = Timers()
+    daemon, _ = restarted_with_pg(tmp_path, daemons, timers)
 
     def broken(self, path):
         raise RuntimeError("unexpected cgroup contents")
 
     async def scenario():
         await daemon.adapter.configure("", "containerd", "v2.1.9")
+        [first] = timers.take(ev.SweepRound)
         monkeypatch.setattr(Liveness, "alive", broken)
-        daemon.deadline.submit(ev.SweepRound())
+        daemon.deadline.submit(first)  # its timer is due
         assert await daemon.drain()
 
     asyncio.run(scenario())
-    assert daemon.node.sweeping and len(daemon.node.unverified) == 1
+    assert len(timers.take(ev.SweepRound)) == 1 and len(daemon.node.unverified) == 1
     assert "checking unverified containers failed: unexpected cgroup contents" in caplog.text
 
 

@@ -170,10 +170,6 @@ def test_removing_an_earlier_sandbox_of_a_pod_leaves_its_newer_sandbox_alone(nod
 
 def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     plugin, records = node
-    # The fixture's plugin starts from an empty state and so reads the *host's* cgroups for
-    # CPUs pinned by running containers (liveness.pinned_cpus); other containers pinned on
-    # this machine would move the CPUs chosen below.
-    plugin.node.pinned = CPUSet()
     pushed = []  # unsolicited UpdateContainers: never sent, they can deadlock the runtime
     plugin.daemon.stub = type(
         "Stub", (), {"schedule_update_containers": lambda _, u, done: pushed.extend(u)}
