@@ -51,9 +51,13 @@ class SlowDisk:
     """The state file's durable write (write, fsync, rename, fsync) blocks until ``go``;
     ``entered`` is set once a write waits there."""
 
-    def __init__(self, monkeypatch: Any) -> None:
+    def __init__(self, monkeypatch: Any, clock: Any = None) -> None:
+        """``clock``: a budgets' clock (tests/model_stall.py ``StallClock``) the worker is
+        stuck for while a write waits here."""
         self.gate = threading.Event()
         self.entered = threading.Event()
+        if clock is not None:
+            clock.add(self.stuck)
         write = files.write_atomic
 
         def slow(*args: Any, **kwargs: Any) -> Any:
@@ -62,6 +66,10 @@ class SlowDisk:
             return write(*args, **kwargs)
 
         monkeypatch.setattr(files, "write_atomic", slow)
+
+    def stuck(self, worker: object = None) -> bool:
+        """A write waits for ``go``."""
+        return self.entered.is_set() and not self.gate.is_set()
 
     def go(self) -> None:
         self.gate.set()
@@ -84,6 +92,12 @@ class Timers:
         taken = [e for e in self.due if isinstance(e, kind)]
         self.due = [e for e in self.due if not isinstance(e, kind)]
         return taken
+
+
+def uevent(action: str, cpu: int) -> ev.CPUsChanged:
+    """A kernel uevent for ``cpu`` as the daemon's hotplug listener submits it: stamped with
+    the time it was read (what the daemon's "hotplug-applied" record measures from)."""
+    return ev.CPUsChanged((hotplug.CPUEvent(action, cpu, time.monotonic()),))
 
 
 def on_disk(daemon: Daemon) -> Any:
@@ -138,9 +152,9 @@ class Driver:
         self.settle()
 
     def hotplug(self, action: str, cpu: int) -> None:
-        """A kernel uevent for ``cpu``, as the daemon's hotplug listener submits it (stamped
-        with the time it read it), followed to its end."""
-        self.submit(ev.CPUsChanged((hotplug.CPUEvent(action, cpu, time.monotonic()),)))
+        """A kernel uevent for ``cpu``, as the daemon's hotplug listener submits it, followed
+        to its end."""
+        self.submit(uevent(action, cpu))
 
     def settle(self) -> None:
         """Wait until every event queued so far (late work, background events) has run."""
