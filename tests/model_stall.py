@@ -232,6 +232,26 @@ class SteppedLoop(asyncio.SelectorEventLoop):
         self._ahead += seconds
 
 
+class SteppedTime:
+    """A clock that moves only when its ``sleep`` is called (by as much as was asked), for
+    code that takes ``clock`` and ``sleep``; ``on_sleep`` runs at each sleep first (what
+    happens meanwhile)."""
+
+    def __init__(self, on_sleep: Callable[[], None] | None = None) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.on_sleep is not None:
+            self.on_sleep()
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 def waits_for_the_lock(worker: Worker) -> bool:
     """The worker's job waits for the state lock (its phase says so until it holds it)."""
     job = worker.current

@@ -9,12 +9,12 @@ import errno
 import os
 import secrets
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from builders import Machine, container, pod
 from daemon_driver import Driver, Records
+from model_stall import block_until
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.hardware import cgroupfs, cpusets, hotplug
@@ -57,7 +57,7 @@ def test_the_listener_delivers_real_kernel_uevents_through_the_loop():
 
     [event] = asyncio.run(main())
     assert (event.action, event.cpu) == ("online", cpu)
-    assert event.received <= time.monotonic()
+    assert event.received > 0  # stamped when read (what "hotplug-applied" measures from)
 
 
 # --- the daemon following generated trees ----------------------------------------------------
@@ -268,17 +268,20 @@ def v1_tree():
             rmdir_once_empty(path)
 
 
-def rmdir_once_empty(path: str, limit: float = 5.0) -> None:
+def rmdir_once_empty(path: str) -> None:
     """cgroup v1 lets a cgroup go a moment after its last task has exited (EBUSY until then)."""
-    give_up = time.monotonic() + limit
-    while True:
+
+    def removed() -> bool:
+        """the cgroup removed"""
         try:
             os.rmdir(path)
-            return
         except OSError as err:
-            if err.errno != errno.EBUSY or time.monotonic() > give_up:
+            if err.errno != errno.EBUSY:
                 raise
-        time.sleep(0.005)
+            return False
+        return True
+
+    block_until(removed)
 
 
 def test_apply_grows_ancestors_and_puts_back_tasks_the_kernel_evicted(v1_tree):
