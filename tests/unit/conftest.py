@@ -57,3 +57,27 @@ def holders() -> Iterator[Any]:
     yield hold
     for holder in made:
         holder.release()
+
+
+# The longest unit tests, longest first (tens of seconds each, the rest take a second or less).
+LONGEST = (
+    "test_model_races.py::TestDBusNodeModel::runTest",
+    "test_model_races.py::TestNodeModel::runTest",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, each of the longest tests heads the first batch of a worker of its
+    own: the load scheduler hands each worker a quarter of its share of consecutive tests to
+    begin with, the rest as they finish.  Where they happened to be collected they could land
+    on one worker, one after the other, the other worker idle at the end."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if not workers:
+        return
+    longest = [item for name in LONGEST for item in items if item.nodeid.endswith(name)]
+    rest = [item for item in items if all(item is not long for long in longest)]
+    batch = max(len(items) // workers // 4, 2)
+    for k, item in enumerate(longest[:workers]):
+        rest.insert(k * batch, item)
+    rest.extend(longest[workers:])
+    items[:] = rest

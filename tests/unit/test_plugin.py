@@ -333,11 +333,14 @@ def test_unverified_containers_cost_a_creation_nothing(node, tmp_path, monkeypat
     """1,000 containers known only from the state file (a restart without Synchronize): a
     creation does not check their cgroups; the sweep checks them a batch at a time."""
     plugin, _ = node
+    pods, containers = [], []
     for i in range(1000):
         p = pod(f"old{i:04d}x", "burstable")  # (ids are names padded with 0s)
         c = container(f"old{i:04d}x", p, 100)
         c.linux.cgroups_path = f"/kubepods/burstable/pod{i}/{c.id}"
-        plugin.create_container(p, c)
+        pods.append(p)
+        containers.append(c)
+    plugin.synchronize(pods, containers)  # the earlier life knew them all (one commit)
     restarted = restart(plugin)
     restarted.daemon.load_state()
     assert len(restarted.node.unverified) == 1000
