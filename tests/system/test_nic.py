@@ -9,7 +9,7 @@ import os
 import random
 
 import pytest
-from builders import workload
+from builders import container, pod, workload
 from daemon_driver import Driver
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 from sysfs_gen import write_fake_device
@@ -244,8 +244,8 @@ def test_the_nic_node_is_chosen_whenever_it_has_enough_free_cpus(machine, strict
 
 
 def nri_pod(name: str, netns: str | None, **annotations: str) -> pb.PodSandbox:
-    sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="ns")
-    sandbox.linux.cgroup_parent = f"/kubepods/pod{name}"
+    """A Guaranteed pod in the network namespace ``netns`` (None: the host's)."""
+    sandbox = pod(name)
     sandbox.annotations.update(annotations)
     if netns is not None:
         sandbox.linux.namespaces.add(type="network", path=netns)
@@ -253,11 +253,7 @@ def nri_pod(name: str, netns: str | None, **annotations: str) -> pb.PodSandbox:
 
 
 def nri_container(name: str, sandbox: pb.PodSandbox, cpus: int) -> pb.Container:
-    c = pb.Container(id=f"{name:0<64}", pod_sandbox_id=sandbox.id, name=name, state=3)
-    c.linux.resources.cpu.shares.value = cpus * 1024
-    c.linux.resources.cpu.period.value = 100000
-    c.linux.resources.cpu.quota.value = cpus * 100000
-    return c
+    return container(name, sandbox, cpus * 1000)
 
 
 def test_the_daemon_places_next_to_the_nic_explains_it_and_fails_strict_cleanly(tmp_path, lower):
