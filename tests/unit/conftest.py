@@ -4,16 +4,37 @@ state lock.  Tests that need neither use tests/daemon_driver.py's Driver."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
 from daemon_driver import Records
 from lock_holder import LockHolder
+from topologies import scratch_dir
 
 from nri_cpuplugin.daemon.service import Daemon
 from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
+
+
+@pytest.fixture
+def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The test's own directory, on tmpfs when there is a roomy one (topologies.scratch_dir).
+    Unit tests generate sysfs trees of hundreds of files and commit state files durably
+    (write, fsync, rename, fsync): on a disk each costs milliseconds and waits behind whatever
+    else the machine writes; here nothing is meant to outlive the test."""
+    fast = scratch_dir()
+    if fast is None:
+        yield tmp_path_factory.mktemp("t")
+        return
+    path = Path(tempfile.mkdtemp(prefix="nri-unit-", dir=fast))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class MakeDaemon(Protocol):
