@@ -43,7 +43,7 @@ from nri_cpuplugin.ops.config import Settings
 from nri_cpuplugin.ops.metrics import Metrics
 
 P = CPUSet.parse
-BUDGET = 0.3  # as said in answers and records (the clock that runs it out is the stalls')
+BUDGET = 1.5  # node_settings' default, as answers and records say it (the stalls run it out)
 ONLINE = P("0-47")
 WORKER = "nri-cpuplugin-worker"  # the worker thread's name (daemon/worker.py)
 
@@ -666,7 +666,7 @@ def test_the_runtime_gets_answers_in_time_stays_connected_and_hears_what_came_la
             )
             assert reply.code != 0 and clock.ran_out == 3 and holder.holding()
             assert "cpuplugin: exclusive CPUs for container 'big' of pod ns/big" in reply.message
-            assert "could not be decided within 0.3 s" in reply.message
+            assert f"could not be decided within {BUDGET:g} s" in reply.message
             assert stub.connected.is_set() and runtime.connections == 1
             holder.release()
             assert await daemon.drain()
