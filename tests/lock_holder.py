@@ -28,6 +28,10 @@ class LockHolder:
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "held\n"
 
+    def holding(self) -> bool:
+        """Whether it still holds the lock (until ``release``)."""
+        return self.proc.poll() is None
+
     def release(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None

@@ -183,6 +183,81 @@ class SlowIrqWrites:
         worker.finished = by_this_clock  # type: ignore[method-assign]
 
 
+class StallClock:
+    """The budgets' clock for tests that stall the worker their own way (another process
+    holding the state lock, a slow disk, cgroup writes the kernel is slow to apply): as
+    ``Stall``'s, a waiting request's budget runs out exactly when the worker is stuck on one
+    of the stalls ``add``-ed (each says, given the worker, whether it is stuck on it), and
+    never outside one.  ``ran_out`` counts the budgets that ran out.
+
+    Not for requests the stub's guard may cancel while they wait (that is the stub's own
+    clock; ``Worker.finished`` takes the cancellation there): leave such a worker's clock."""
+
+    def __init__(self) -> None:
+        self.stalls: list[Callable[[Worker], bool]] = []
+        self.ran_out = 0
+
+    def add(self, stuck: Callable[[Worker], bool]) -> None:
+        self.stalls.append(stuck)
+
+    def stuck(self, worker: Worker) -> bool:
+        return any(stall(worker) for stall in self.stalls)
+
+    def install(self, worker: Worker) -> None:
+        finished = worker.finished
+
+        async def by_this_clock(job: Job, budget: float | None) -> bool:
+            if budget is not None:
+                await until(lambda: _ended(job) or self.stuck(worker))
+                if not _ended(job):
+                    self.ran_out += 1
+                    return False  # the budget ran out: the worker is stuck
+            return await finished(job, None)
+
+        worker.finished = by_this_clock  # type: ignore[method-assign]
+
+
+class SteppedLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock the test moves on (``step``): its timers - the stub's guard
+    among them - come due when the test says, not when real time has passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ahead = 0.0
+
+    def time(self) -> float:
+        return super().time() + self._ahead
+
+    def step(self, seconds: float) -> None:
+        self._ahead += seconds
+
+
+class SteppedTime:
+    """A clock that moves only when its ``sleep`` is called (by as much as was asked), for
+    code that takes ``clock`` and ``sleep``; ``on_sleep`` runs at each sleep first (what
+    happens meanwhile)."""
+
+    def __init__(self, on_sleep: Callable[[], None] | None = None) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.on_sleep is not None:
+            self.on_sleep()
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def waits_for_the_lock(worker: Worker) -> bool:
+    """The worker's job waits for the state lock (its phase says so until it holds it)."""
+    job = worker.current
+    return job is not None and job.phase == STATE_LOCK
+
+
 def _ended(job: Job) -> bool:
     """The job has ended, or delivered its result (``done`` is held until then)."""
     return not job.done.locked()
@@ -196,5 +271,14 @@ async def until(condition: Callable[[], bool]) -> None:
     """Wait on the event loop (its callbacks run meanwhile) until ``condition()`` holds."""
     give_up = time.monotonic() + PATIENCE
     while not condition():
-        assert time.monotonic() < give_up, "the daemon's worker did not settle"
+        assert time.monotonic() < give_up, f"{condition.__doc__ or 'a condition'} never held"
         await asyncio.sleep(TICK)
+
+
+def block_until(condition: Callable[[], bool]) -> None:
+    """Wait, blocking the calling thread (the event loop's, when a test stalls the loop on
+    purpose), until ``condition()`` holds."""
+    give_up = time.monotonic() + PATIENCE
+    while not condition():
+        assert time.monotonic() < give_up, f"{condition.__doc__ or 'a condition'} never held"
+        time.sleep(TICK)

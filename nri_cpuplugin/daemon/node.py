@@ -77,11 +77,12 @@ class Node:
         pod_nics: PodNICs | None = None,
         later: Later = _never,
         background: Background | None = None,
+        metrics: Any = None,
     ) -> None:
         self.file_settings = settings
         self.flags = dict(flags or {})
         self.audit = audit
-        self.metrics: Any = NoMetrics()
+        self.metrics: Any = NoMetrics() if metrics is None else metrics
         self.progress = progress or NoProgress()
         # (Not ``pod_nics or``: an empty one is false, and the adapter fills the one given.)
         self.pod_nics = pod_nics if pod_nics is not None else PodNICs()

@@ -10,7 +10,7 @@ owner: containers are added, and drained by the reply that carries them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class Owed:
@@ -22,6 +22,10 @@ class Owed:
 
     def __contains__(self, container_id: str) -> bool:
         return container_id in self._ids
+
+    def __iter__(self) -> Iterator[str]:
+        """The owed containers, in no order, still owed (``drain`` is what hands them out)."""
+        return iter(self._ids)
 
     def add(self, container_ids: Iterable[str]) -> None:
         self._ids.update(container_ids)

@@ -27,7 +27,7 @@ from . import events as ev
 from .adapter import NRIAdapter
 from .deadline import DRAIN_TIMEOUT, Deadline
 from .heartbeat import Heartbeat
-from .node import Node
+from .node import Later, Node
 from .pod_nics import PodNICs
 from .units import SystemdUnits
 from .worker import Worker, _call_soon
@@ -43,8 +43,15 @@ class Daemon:
         audit: Audit,
         flags: Mapping[str, Any] | None = None,
         units: Units | None = None,
+        *,
+        later: Later | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        """``later``: the timers that submit the daemon's own events (sweep rounds, retries);
+        by default the event loop's.  ``metrics``: what the daemon reports to; by default one
+        made when /metrics is served (``start_metrics``)."""
         self.audit = audit
+        self._metrics = metrics
         if units is None:
             merged = merge(settings, flags or {})
             path = bus_path(merged.systemd_bus)
@@ -55,8 +62,8 @@ class Daemon:
         self.pod_nics = PodNICs()
         self.node = Node(
             settings, audit, flags,
-            progress=self.worker, units=units, pod_nics=self.pod_nics, later=self._later,
-            background=self.worker,
+            progress=self.worker, units=units, pod_nics=self.pod_nics,
+            later=later or self._later, background=self.worker, metrics=metrics,
         )  # fmt: skip
         self.deadline = Deadline(self.node, audit, self.worker)
         self.adapter = NRIAdapter(self.deadline, self.node, self.pod_nics, self)
@@ -179,7 +186,7 @@ class Daemon:
         listen = self.node.settings.metrics_listen
         if listen is None or self._metrics_server is not None:
             return
-        metrics = Metrics()
+        metrics = Metrics() if self._metrics is None else self._metrics
         try:
             self._metrics_server = await metrics.serve(listen)
         except (OSError, ValueError) as err:

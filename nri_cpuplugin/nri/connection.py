@@ -80,6 +80,12 @@ class Connection:
 
     # --- input ---------------------------------------------------------------------------
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and held, not yet a whole frame or message: what a peer that stops
+        mid-message costs us, bounded by what a frame and a message may declare."""
+        return self._mux.buffered + sum(d.buffered for d in self._streams.values())
+
     def receive_data(self, data: bytes) -> list[Event]:
         """Feed bytes read from the socket; raise ProtocolError if the stream is broken."""
         events: list[Event] = []

@@ -54,6 +54,11 @@ class TtrpcDecoder:
         self._buffer = bytearray()
         self._skipping = 0  # bytes of an oversized body still to discard
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held that are not a whole message yet (an oversized body is not held)."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> list[Message | Oversized]:
         events: list[Message | Oversized] = []
         view = memoryview(data)

@@ -29,6 +29,10 @@ import time
 from ..base.errors import PluginError
 from ..base.value import Value
 
+TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 DAEMON_FILE = "daemon.lock"
 # The longest a pid written into the file can be; anything longer is not ours.
 _MAX_CONTENT = 64
@@ -65,13 +69,21 @@ def _pid(fd: int) -> int | None:
         return None
 
 
-def claim(dir_fd: int, state_dir: str, wait: float) -> int:
+def claim(
+    dir_fd: int,
+    state_dir: str,
+    wait: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Take the daemon's claim on the state directory (``dir_fd``) and write our pid into it;
     returns the descriptor, which must stay open for as long as the claim should hold.
 
-    Waits up to ``wait`` seconds: a daemon that is exiting (a runtime-launched one whose
-    runtime restarts) releases it in a moment, and a hook's probe holds it for microseconds.
-    Raises ClaimError naming the other daemon's pid when it is still held."""
+    Waits up to ``wait`` seconds (of ``clock``, between tries ``sleep``-ing): a daemon that is
+    exiting (a runtime-launched one whose runtime restarts) releases it in a moment, and a
+    hook's probe holds it for microseconds.  Raises ClaimError naming the other daemon's pid
+    when it is still held."""
     path = os.path.join(state_dir, DAEMON_FILE)
     try:
         fd = _open(dir_fd, os.O_RDWR | os.O_CREAT, path)
@@ -79,13 +91,13 @@ def claim(dir_fd: int, state_dir: str, wait: float) -> int:
         if err.errno == errno.ELOOP:
             raise ClaimError(f"{path} is a symbolic link; nri-cpuplugin never makes one") from None
         raise ClaimError(f"cannot open {path}: {err.strerror or err}") from None
-    deadline = time.monotonic() + wait
+    deadline = clock() + wait
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if clock() >= deadline:
                 other = _pid(fd)
                 os.close(fd)
                 raise ClaimError(
@@ -93,7 +105,7 @@ def claim(dir_fd: int, state_dir: str, wait: float) -> int:
                     f"{f' (pid {other})' if other else ''}: one daemon per state directory "
                     "(is the plugin both runtime-launched and run as a service?)"
                 ) from None
-            time.sleep(0.02)
+            sleep(0.02)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

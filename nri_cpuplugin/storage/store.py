@@ -31,6 +31,10 @@ from ..core.state import NodeState, StateFormatError, decode, encode
 from . import lock
 from .lock import LOCK_FILE, StateLockTimeout
 
+TYPE_CHECKING = False  # typing is not imported at run time (the hook's start-up cost)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 __all__ = ["LOCK_FILE", "StateDirError", "StateLockTimeout", "StateStore"]
 
 STATE_FILE = "state.json"
@@ -40,9 +44,6 @@ QUARANTINE_KEEP = 10
 # A real document is tens of KiB even on a large node; anything beyond this is not ours, and
 # reading it would only waste memory (or never end, for a device).
 MAX_STATE_BYTES = 64 * 1024 * 1024
-
-# Wall clock for the names of set-aside files (a seam for tests).
-_clock = time.time
 
 # LoadResult.code values: why there is no trusted state.
 MISSING, UNUSABLE, CORRUPT, MISMATCH, ERROR = "missing", "unusable", "corrupt", "mismatch", "error"
@@ -136,19 +137,22 @@ class StateStore:
     """The state directory: ``state.json`` (the document) and ``state.lock`` (the writer lock).
 
     ``use_alarm``: wait for a busy lock blocked in flock(2) under SIGALRM (single-threaded,
-    short-lived callers: the OCI hook) rather than by polling."""
+    short-lived callers: the OCI hook) rather than by polling.  ``clock``: the wall clock that
+    names set-aside files (seconds since the epoch)."""
 
     def __init__(
         self,
         state_dir: str | os.PathLike[str],
         lock_timeout: float = 10.0,
         use_alarm: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         # Nothing touches the disk here, so constructing a store (e.g. for ``status``) is free.
         # Plain strings, not pathlib: the OCI hook must not pay for importing it.
         self.state_dir = os.fspath(state_dir)
         self.lock_timeout = lock_timeout
         self.use_alarm = use_alarm
+        self.clock = clock
         self.state_path = os.path.join(self.state_dir, STATE_FILE)
         self.lock_path = os.path.join(self.state_dir, LOCK_FILE)
         self.lock_wait = 0.0  # how long the last outermost acquisition waited
@@ -388,7 +392,7 @@ class StateStore:
 
     def _quarantine(self, dir_fd: int) -> str:
         """Rename the state file aside (never over an earlier one) and prune old ones."""
-        seconds, micros = divmod(round(_clock() * 1_000_000), 1_000_000)
+        seconds, micros = divmod(round(self.clock() * 1_000_000), 1_000_000)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds)) + f".{micros:06d}Z"
         name = f"{QUARANTINE_PREFIX}{stamp}"
         suffix = 0

@@ -1,6 +1,6 @@
 """D-Bus clients for systemd's unit properties, side by side: ours and three libraries.
 
-What the systemd cgroup driver makes the product pay (nri_cpuplugin/hardware/systemd_*.py):
+What the systemd cgroup driver makes the product pay (nri_cpuplugin/hardware/systemd/):
 the OCI hook imports a D-Bus client, connects to the system bus (authentication and Hello) and
 sends one or more ``SetUnitProperties`` calls on every container start; the daemon keeps a
 connection and pipelines one call per shared container when an exclusive one starts.  So the

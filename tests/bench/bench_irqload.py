@@ -22,7 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from nri_messages import container, guaranteed_pod, pod
+from builders import container, guaranteed_pod, pod
 from proc_gen import proc_tree
 from topologies import build
 

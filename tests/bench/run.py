@@ -765,7 +765,7 @@ def section_dbus(quick: bool) -> list[str]:
         "",
         "Setting a systemd scope's `AllowedCPUs`/`AllowedMemoryNodes` (`SetUnitProperties`, the "
         "systemd cgroup driver: docs/cgroups-and-hooks.md §21) with our own client "
-        "(nri_cpuplugin/hardware/systemd_*.py) and three libraries, side by side in one "
+        "(nri_cpuplugin/hardware/systemd/) and three libraries, side by side in one "
         "run, samples interleaved round by round (tests/bench/bench_dbus.py). The peer is a "
         "private Debian dbus-daemon with the system bus's reply limit and a FAKE systemd "
         "(tests/fake_systemd.py, jeepney; systemd cannot be PID 1 here) that answers every "

@@ -9,11 +9,11 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from builders import container
+from builders import pod as nri_pod
 from daemon_driver import Driver, Records
 from harness.private_mount import fill, in_private_tmpfs
 from harness.runc import CgroupSandbox, pod, sandbox
-from nri_messages import container
-from nri_messages import pod as nri_pod
 from topologies import build
 
 from nri_cpuplugin.core.policy import PolicyError

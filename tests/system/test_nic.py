@@ -9,6 +9,7 @@ import os
 import random
 
 import pytest
+from builders import container, pod, workload
 from daemon_driver import Driver
 from netns_util import host_nic, leftover_test_namespaces, pod_netns
 from sysfs_gen import write_fake_device
@@ -17,7 +18,6 @@ from topologies import build, topology
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.placement import NICPreference
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
-from nri_cpuplugin.core.workload import GUARANTEED, Workload
 from nri_cpuplugin.hardware import netns_links, nic
 from nri_cpuplugin.hardware.nic_guard import netns_path
 from nri_cpuplugin.nri.pb import nri_pb2 as pb
@@ -27,22 +27,6 @@ from nri_cpuplugin.ops.status import snapshot
 P = CPUSet.parse
 TWO_NODES = "xeon-e5-2680v3-2s"  # 48 CPUs, NUMA 0 and 1
 EIGHT_NODES = "bench-2s-256t-8numa"  # 256 CPUs, NUMA 0-7
-_ids = iter(range(10**6))
-
-
-def wl(cpus: int, name: str | None = None, **annotations: str) -> Workload:
-    n = next(_ids)
-    return Workload(
-        container_id=f"{n:064x}",
-        container_name=name or f"c{n}",
-        pod_uid=f"pod-{n}",
-        pod_name=f"pod-{n}",
-        pod_namespace="ns",
-        qos=GUARANTEED,
-        cpu_request_milli=cpus * 1000,
-        cpu_limit_milli=cpus * 1000,
-        annotations=annotations,
-    )
 
 
 @pytest.fixture(autouse=True)
@@ -164,7 +148,7 @@ def test_a_stacked_nic_is_traced_to_its_device_and_its_node_is_preferred(tmp_pat
     assert found.preference.nics == (
         f"net1 ({lower.parent_bus}/{lower.parent_dev} via {lower.name}, NUMA {last})",
     )
-    decision, _ = policy.admit(policy.empty_state(), wl(4), found.preference)
+    decision, _ = policy.admit(policy.empty_state(), workload(4000), found.preference)
     assert decision.cpus <= topo.numa_nodes[last] and decision.mems == CPUSet([last])
     assert "next to its NICs" in decision.reason
     assert named.nodes == CPUSet()  # the annotation chose the veth: nothing to prefer
@@ -230,14 +214,14 @@ def test_the_nic_node_is_chosen_whenever_it_has_enough_free_cpus(machine, strict
     rng = random.Random(f"{machine}-{strict}")
     state = policy.empty_state()
     placed = refused = 0
-    for _ in range(120):
+    for i in range(120):
         node = rng.choice(sorted(topo.numa_nodes))
         count = rng.choice([1, 2, 2, 3, 4, 6, 8])
         near_free = policy.free_exclusive(state) & topo.numa_nodes[node]
         pref = NICPreference(CPUSet([node]), strict, (f"fake-nic on NUMA {node}",))
-        workload = wl(count)
+        asked = workload(count * 1000, pod=f"pod-{i}")
         try:
-            decision, new_state = policy.admit(state, workload, pref)
+            decision, new_state = policy.admit(state, asked, pref)
         except PolicyError as err:
             assert len(near_free) < count or not policy.free_exclusive(state), err
             if strict:
@@ -248,7 +232,7 @@ def test_the_nic_node_is_chosen_whenever_it_has_enough_free_cpus(machine, strict
             assert decision.cpus <= topo.numa_nodes[node], (node, count, decision.cpus)
         else:
             assert not strict
-        assert new_state.assignments[workload.container_id].nic_nodes == CPUSet([node])
+        assert new_state.assignments[asked.container_id].nic_nodes == CPUSet([node])
         placed += 1
         state = new_state
         # Free some CPUs now and then, so nodes fill and empty again.
@@ -262,8 +246,8 @@ def test_the_nic_node_is_chosen_whenever_it_has_enough_free_cpus(machine, strict
 
 
 def nri_pod(name: str, netns: str | None, **annotations: str) -> pb.PodSandbox:
-    sandbox = pb.PodSandbox(id=f"sb-{name}", name=name, uid=f"uid-{name}", namespace="ns")
-    sandbox.linux.cgroup_parent = f"/kubepods/pod{name}"
+    """A Guaranteed pod in the network namespace ``netns`` (None: the host's)."""
+    sandbox = pod(name)
     sandbox.annotations.update(annotations)
     if netns is not None:
         sandbox.linux.namespaces.add(type="network", path=netns)
@@ -271,11 +255,7 @@ def nri_pod(name: str, netns: str | None, **annotations: str) -> pb.PodSandbox:
 
 
 def nri_container(name: str, sandbox: pb.PodSandbox, cpus: int) -> pb.Container:
-    c = pb.Container(id=f"{name:0<64}", pod_sandbox_id=sandbox.id, name=name, state=3)
-    c.linux.resources.cpu.shares.value = cpus * 1024
-    c.linux.resources.cpu.period.value = 100000
-    c.linux.resources.cpu.quota.value = cpus * 100000
-    return c
+    return container(name, sandbox, cpus * 1000)
 
 
 def test_the_daemon_places_next_to_the_nic_explains_it_and_fails_strict_cleanly(tmp_path, lower):

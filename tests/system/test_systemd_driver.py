@@ -16,10 +16,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from builders import container, guaranteed_pod, pod
 from daemon_driver import Driver
 from fake_cgroup_v2 import FakeV2, on_generated_node
 from fake_systemd import FakeSystemd, PrivateBus
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -30,15 +30,6 @@ from nri_cpuplugin.ops.audit import Audit
 from nri_cpuplugin.ops.config import Settings
 
 POOL = "0,2-24,26-47"  # once CPUs 1 and 25 are exclusive
-
-
-def guaranteed_pod(name: str, milli: int):
-    """A Guaranteed pod whose sandbox carries its CPU limit, as kubelet sends it."""
-    sandbox = pod(name)
-    cpu = sandbox.linux.pod_resources.cpu
-    cpu.shares.value = milli * 1024 // 1000
-    cpu.period.value, cpu.quota.value = 100000, milli * 100
-    return sandbox
 
 
 @pytest.fixture

@@ -9,10 +9,16 @@ import os
 import pytest
 
 from nri_cpuplugin.core.cpuset import CPUSet
-from nri_cpuplugin.hardware import cgroupfs, cpusets
+from nri_cpuplugin.hardware import cgroupfs, cpuset_files, cpusets
 from nri_cpuplugin.hardware.cpuset_files import OpenCpusets, mount_type
 
 C = CPUSet.parse
+
+
+def on_the_kernels_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look-alike tree's files treated as the kernel's (a cgroup v1 mount): a write
+    replaces the value in place, and only growths are checked for nested cgroups."""
+    monkeypatch.setattr(cpuset_files, "mount_type", lambda path: "cgroup")
 
 
 @pytest.fixture
@@ -106,10 +112,10 @@ def test_taking_cpus_away_is_one_write_and_a_refusal_goes_to_the_general_path(tr
     the general path, the files still kept.  A write by the runtime in between makes the next
     one checked again."""
     layout, _ = tree
+    on_the_kernels_files(monkeypatch)  # where a refusal comes from the kernel
     files = OpenCpusets()
     with cgroupfs.CgroupFS(layout) as fs:
         assert files.write(fs, "a", "/kubepods/pod1/a", C("0-3"))
-    files._plain = False  # as on the kernel's files, where a refusal comes from the kernel
     checks = []
     real_fstat = os.fstat
     monkeypatch.setattr("os.fstat", lambda fd: checks.append(fd) or real_fstat(fd))
@@ -130,10 +136,10 @@ def test_a_write_by_the_general_path_makes_the_next_kept_write_checked(tree, mon
     """A target with memory nodes (or a quota) goes through cpusets.apply, not the kept file:
     what the file last wrote no longer says what is there."""
     layout, _ = tree
+    on_the_kernels_files(monkeypatch)  # only growths are checked
     files = OpenCpusets()
     with cgroupfs.CgroupFS(layout) as fs:
         assert files.write(fs, "a", "/kubepods/pod1/a", C("0-3"))
-    files._plain = False  # only growths are checked, as on the kernel's files
     cpusets.move(layout, [cpusets.Target("a", "/kubepods/pod1/a", C("0-1"), C("0"))], None, files)
     checks = []
     real_fstat = os.fstat

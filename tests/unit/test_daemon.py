@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 
+from builders import container, pod
 from fake_runtime import FakeRuntime
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.nri.pb import nri_pb2 as pb

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
-from nri_messages import container, guaranteed_pod, pod
+from builders import container, creation, guaranteed_pod, node_settings, pod, workload
+from daemon_driver import SlowDisk, Threads, on_disk
+from model_stall import until
 from sysfs_gen import write_fake_device
-from test_deadline import SlowDisk, Threads, creation, node_settings, on_disk, until
-from test_policy import wl
 from topologies import offline, topology
 
 from nri_cpuplugin.core import state as state_mod
@@ -65,13 +65,13 @@ def test_a_pod_is_earmarked_its_whole_cpus_by_topology(machine, limit, earmarked
 def test_an_exclusive_container_takes_its_pods_earmark_and_moves_nobody():
     policy = policy_on("xeon-e5-2680v3-2s")
     state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
-    decision, after = policy.admit(state, wl(2000, pod="pod-a"))
+    decision, after = policy.admit(state, workload(2000, pod="pod-a"))
     assert decision.cpus == P("1,25") and "earmarked" in decision.reason
     assert after.shared == state.shared  # the shared containers do not move
     assert "pod-a" not in after.earmarks
     # Another pod's container does not get them.
     state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
-    decision, _ = policy.admit(state, wl(2000, pod="pod-b"))
+    decision, _ = policy.admit(state, workload(2000, pod="pod-b"))
     assert not decision.cpus & P("1,25")
 
 
@@ -91,7 +91,7 @@ def test_the_earmark_keeps_only_what_the_pods_containers_can_still_ask_for(limit
     policy = policy_on("xeon-e5-2680v3-2s")
     state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", limit))
     for (milli, kind), want in zip(containers, left, strict=True):
-        _, state = policy.admit(state, wl(milli, pod="pod-a", kind=kind))
+        _, state = policy.admit(state, workload(milli, pod="pod-a", kind=kind))
         got = state.earmarks["pod-a"].cpus if "pod-a" in state.earmarks else CPUSet()
         assert got == P(want)
         assert state.shared == policy.shareable - state.exclusive
@@ -100,10 +100,10 @@ def test_the_earmark_keeps_only_what_the_pods_containers_can_still_ask_for(limit
 def test_a_restart_gets_its_previous_cpus_and_leaves_the_earmark_to_its_sibling():
     policy = policy_on("xeon-e5-2680v3-2s")
     state = policy.earmark(policy.empty_state(), "pod-a", mark("sb-a", 2000))
-    first = wl(1000, pod="pod-a", name="a")
+    first = workload(1000, pod="pod-a", name="a")
     decision, state = policy.admit(state, first)
     _, state = policy.release(state, first.container_id)
-    again = wl(1000, pod="pod-a", name="a")
+    again = workload(1000, pod="pod-a", name="a", cid="a-restarted")
     decision_again, state = policy.admit(state, again)
     assert decision_again.cpus == decision.cpus and "previous CPUs" in decision_again.reason
     assert state.earmarks["pod-a"].cpus == P("1,25") - decision.cpus  # still the sibling's
@@ -115,7 +115,7 @@ def test_an_earmark_never_empties_the_shared_pool_nor_takes_held_cpus():
     assert state.earmarks["big"].cpus == P("2-7") and state.shared == P("0-1")
     assert policy.earmark(state, "next", mark("sb-next", 1000)) is state  # nothing left to earmark
     # A pod known already (a recreated sandbox) gets none: its restarts go by what they held.
-    _, held = policy.admit(policy.empty_state(), wl(1000, pod="p"))
+    _, held = policy.admit(policy.empty_state(), workload(1000, pod="p"))
     assert policy.earmark(held, "p", mark("sb-p2", 1000)) is held
 
 
@@ -131,13 +131,13 @@ def test_removing_the_pod_or_a_synchronize_without_it_gives_the_earmark_back():
     kept = engine.synchronize(state, [], ["pod-a"])
     assert kept.state.earmarks == state.earmarks
     # A live container of the pod placed by the synchronize takes it.
-    live = LiveContainer(wl(2000, pod="pod-a"), CPUSet())
+    live = LiveContainer(workload(2000, pod="pod-a"), CPUSet())
     assert engine.synchronize(state, [live], ["pod-a"]).state.assigned == P("1,25")
 
 
 def test_a_hotplug_drops_earmarks_and_the_shared_containers_grow_back():
     policy = policy_on("xeon-e5-2680v3-2s")
-    _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
+    _, state = policy.admit(policy.empty_state(), workload(500, pod="web"))
     state = policy.earmark(state, "pod-a", mark("sb-a", 2000))
     after = StaticPolicy.from_config(offline(policy.topology, "47"), reserved_count=2)
     outcome = Engine(after).follow(state, policy)
@@ -149,7 +149,7 @@ def test_a_hotplug_drops_earmarks_and_the_shared_containers_grow_back():
 def test_the_earmark_outcome_moves_the_shared_containers_and_says_so():
     policy = policy_on("xeon-e5-2680v3-2s")
     engine = Engine(policy)
-    _, state = policy.admit(policy.empty_state(), wl(500, pod="web"))
+    _, state = policy.admit(policy.empty_state(), workload(500, pod="web"))
     outcome = engine.earmark(state, "pod-a", mark("sb-a", 2000, "a", "ns"))
     assert [t.cpus for t in outcome.targets] == [outcome.state.shared]
     assert [e.action for e in outcome.events] == ["earmark", "shared-resize"]
@@ -162,7 +162,7 @@ def test_earmarks_in_the_state_file_round_trip_and_are_checked():
     assert state_mod.decode(state_mod.encode(state)) == state
     # A document without earmarks keeps the bytes it had before they existed.
     assert b"earmarks" not in state_mod.encode(policy.empty_state())
-    _, held = policy.admit(policy.empty_state(), wl(2000, pod="pod-b"))
+    _, held = policy.admit(policy.empty_state(), workload(2000, pod="pod-b"))
     doc = state_mod.to_document(held)
     doc["earmarks"] = {"pod-a": {**state_mod.to_document(state)["earmarks"]["pod-a"]}}
     doc["shared"] = str(held.shared - P("1,25"))

@@ -4,6 +4,7 @@ topologies, without files, sockets or cgroups."""
 from __future__ import annotations
 
 import pytest
+from builders import workload
 from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -12,28 +13,13 @@ from nri_cpuplugin.core.outcome import CFS_PERIOD_US, UNLIMITED, Outcome, Target
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.reconcile import LiveContainer
 from nri_cpuplugin.core.state import Assignment
-from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.workload import BURSTABLE
 
 P = CPUSet.parse
 
 
 def engine(name: str, reserved: str = "0", cfs_quota: str = "unlimited") -> Engine:
     return Engine(StaticPolicy(topology(name), P(reserved)), cfs_quota)
-
-
-def wl(name: str, milli: int, qos: str = GUARANTEED, pod: str = "", **annotations: str):
-    return Workload(
-        container_id=f"{name}-id",
-        container_name=name,
-        pod_uid=pod or f"{name}-pod",
-        pod_name=pod or name,
-        pod_namespace="ns",
-        qos=qos,
-        cpu_request_milli=milli,
-        cpu_limit_milli=milli if qos == GUARANTEED else None,
-        annotations=annotations,
-        cgroup_path=f"/kubepods/{name}",
-    )
 
 
 def actions(outcome: Outcome) -> list[str]:
@@ -54,10 +40,10 @@ PLACEMENTS = [
 def test_create_places_by_topology_and_targets_follow(machine, reserved, requests, last):
     eng = engine(machine, reserved)
     state = eng.policy.empty_state()
-    outcome = eng.create(state, wl("web", 500, BURSTABLE))
+    outcome = eng.create(state, workload(500, BURSTABLE, name="web"))
     state = outcome.state
     for i, count in enumerate(requests):
-        outcome = eng.create(state, wl(f"db{i}", count * 1000))
+        outcome = eng.create(state, workload(count * 1000, name=f"db{i}"))
         state = outcome.state
     decision = outcome.decision
     assert decision.exclusive and decision.cpus == P(last)
@@ -72,27 +58,27 @@ def test_create_places_by_topology_and_targets_follow(machine, reserved, request
 
 def test_shared_creation_touches_nobody_else():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("db", 2000)).state
-    outcome = eng.create(state, wl("web", 500, BURSTABLE))
+    state = eng.create(eng.policy.empty_state(), workload(2000, name="db")).state
+    outcome = eng.create(state, workload(500, BURSTABLE, name="web"))
     assert outcome.targets == (Target("web-id", state.shared),)
     assert actions(outcome) == ["share"] and outcome.events[0].priority == 7
 
 
 def test_refusal_changes_nothing_and_is_worded_for_the_user():
     eng = engine("single-socket-no-smt", "0")
-    state = eng.create(eng.policy.empty_state(), wl("big", 6000)).state
+    state = eng.create(eng.policy.empty_state(), workload(6000, name="big")).state
     with pytest.raises(PolicyError) as info:
-        eng.create(state, wl("more", 2000))
-    event = eng.refused(wl("more", 2000), info.value)
+        eng.create(state, workload(2000, name="more"))
+    event = eng.refused(workload(2000, name="more"), info.value)
     assert event.action == "refuse" and event.fields["code"] == "refused"
     assert "asks for 2 exclusive CPUs" in event.message
 
 
 def test_stop_returns_cpus_to_the_pool_and_every_follower_hears_it():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("web", 500, BURSTABLE)).state
-    state = eng.create(state, wl("api", 250, BURSTABLE)).state
-    state = eng.create(state, wl("db", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(500, BURSTABLE, name="web")).state
+    state = eng.create(state, workload(250, BURSTABLE, name="api")).state
+    state = eng.create(state, workload(2000, name="db")).state
     outcome = eng.stop(state, "db-id")
     assert outcome.state.shared == eng.policy.shared_pool(CPUSet())
     assert [t.container_id for t in outcome.targets] == ["api-id", "web-id"]
@@ -105,8 +91,8 @@ def test_stop_returns_cpus_to_the_pool_and_every_follower_hears_it():
 
 def test_ended_and_removed_pods_release_like_stops():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("web", 500, BURSTABLE)).state
-    state = eng.create(state, wl("db", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(500, BURSTABLE, name="web")).state
+    state = eng.create(state, workload(2000, name="db")).state
     ended = eng.ended(state, ["db-id"], "its cgroup is gone")
     assert "db-id" not in ended.state.assignments
     assert [t.container_id for t in ended.targets] == ["web-id"]
@@ -117,7 +103,7 @@ def test_ended_and_removed_pods_release_like_stops():
 
 def test_update_reasserts_our_cpuset_only_for_containers_we_place():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("db", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(2000, name="db")).state
     assert eng.update(state, "db-id").targets == (eng.target(state, "db-id"),)
     assert eng.update(state, "stranger").targets == ()
 
@@ -128,7 +114,7 @@ def test_update_reasserts_our_cpuset_only_for_containers_we_place():
 )
 def test_quota_targets(cfs_quota, exclusive_quota, degraded_quota):
     eng = engine("xeon-e5-2680v3-2s", "0,24", cfs_quota)
-    state = eng.create(eng.policy.empty_state(), wl("db", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(2000, name="db")).state
     assert eng.target(state, "db-id").quota == exclusive_quota
     # Degraded: hotplug took every CPU it held; it runs in the shared pool, bounded by quota.
     held = state.assignments["db-id"]
@@ -146,7 +132,7 @@ def test_followers_are_the_targets_of_every_shared_and_degraded_container_in_id_
     eng = engine("xeon-e5-2680v3-2s", "0,24")
     state = eng.policy.empty_state()
     for name, milli in (("web", 500), ("db", 2000), ("api", 250), ("cache", 1000)):
-        state = eng.create(state, wl(name, milli)).state
+        state = eng.create(state, workload(milli, name=name)).state
     held = state.assignments["cache-id"]
     state = state.evolve(assignments={**state.assignments, "cache-id": held.evolve(cpus=CPUSet())})
     followers = eng.followers(state, exclude="web-id")
@@ -157,10 +143,10 @@ def test_followers_are_the_targets_of_every_shared_and_degraded_container_in_id_
 
 def test_synchronize_targets_every_live_container_and_drops_the_dead():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("gone", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(2000, name="gone")).state
     live = [
-        LiveContainer(wl("db", 2000), P("5,29")),  # adopted where it runs
-        LiveContainer(wl("web", 500, BURSTABLE), P("0-47")),
+        LiveContainer(workload(2000, name="db"), P("5,29")),  # adopted where it runs
+        LiveContainer(workload(500, BURSTABLE, name="web"), P("0-47")),
     ]
     outcome = eng.synchronize(state, live, ["db-pod", "web-pod"])
     assert set(outcome.state.assignments) == {"db-id"}
@@ -171,7 +157,7 @@ def test_synchronize_targets_every_live_container_and_drops_the_dead():
 
 def test_load_follows_a_changed_online_set_and_rebuilds_what_it_cannot_use():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("db", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(2000, name="db")).state
     loaded = eng.load(state, None, None)
     assert loaded.trusted and [e.action for e in loaded.events] == ["state-loaded"]
     assert not eng.load(state, None, None, announce=False).events
@@ -189,9 +175,9 @@ def test_load_follows_a_changed_online_set_and_rebuilds_what_it_cannot_use():
 
 def test_follow_targets_only_containers_whose_cpuset_changed():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.create(eng.policy.empty_state(), wl("web", 500, BURSTABLE)).state
-    state = eng.create(state, wl("db", 2000)).state
-    state = eng.create(state, wl("cache", 2000)).state
+    state = eng.create(eng.policy.empty_state(), workload(500, BURSTABLE, name="web")).state
+    state = eng.create(state, workload(2000, name="db")).state
+    state = eng.create(state, workload(2000, name="cache")).state
     held = state.assignments["db-id"].cpus
     after = Engine(StaticPolicy(offline(eng.topology, str(max(held))), P("0,24")))
     outcome = after.follow(state, eng.policy)
@@ -202,8 +188,8 @@ def test_follow_targets_only_containers_whose_cpuset_changed():
 
 def test_then_keeps_later_targets_and_all_events():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    first = eng.create(eng.policy.empty_state(), wl("web", 500, BURSTABLE))
-    second = eng.create(first.state, wl("db", 2000))
+    first = eng.create(eng.policy.empty_state(), workload(500, BURSTABLE, name="web"))
+    second = eng.create(first.state, workload(2000, name="db"))
     both = first.then(second)
     assert both.state is second.state and both.decision is second.decision
     assert [t.container_id for t in both.targets] == ["web-id", "db-id"]

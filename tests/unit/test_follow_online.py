@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from builders import workload
 from topologies import offline, topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -21,24 +22,8 @@ from nri_cpuplugin.core.state import (
     to_document,
 )
 from nri_cpuplugin.core.topology import Topology
-from nri_cpuplugin.core.workload import GUARANTEED, Workload
 
 P = CPUSet.parse
-_ids = iter(range(10**6))
-
-
-def wl(cpus: int, name: str | None = None, pod: str = "pod-a") -> Workload:
-    n = next(_ids)
-    return Workload(
-        container_id=f"{n:064x}",
-        container_name=name or f"c{n}",
-        pod_uid=pod,
-        pod_name=pod,
-        pod_namespace="ns",
-        qos=GUARANTEED,
-        cpu_request_milli=cpus * 1000,
-        cpu_limit_milli=cpus * 1000,
-    )
 
 
 def follow(policy: StaticPolicy, state: NodeState, topo: Topology, previous=None):
@@ -52,7 +37,7 @@ SMALL = topology("single-socket-no-smt")  # 8 CPUs
 
 def test_lost_cpu_is_replaced_on_the_same_numa_node_and_returns_to_the_shared_pool():
     policy = StaticPolicy(XEON, P("0,24"))
-    decision, state = policy.admit(policy.empty_state(), wl(2))
+    decision, state = policy.admit(policy.empty_state(), workload(2000))
     assert decision.cpus == P("1,25")
     moved, result = follow(policy, state, offline(XEON, "25"))
     [change] = result.changes
@@ -70,7 +55,7 @@ def test_lost_cpu_is_replaced_on_the_same_numa_node_and_returns_to_the_shared_po
 def test_replacement_falls_back_to_another_numa_node_when_its_own_is_full():
     policy = StaticPolicy(XEON, P("0,24"))
     state = policy.empty_state()
-    _, state = policy.admit(state, wl(22))  # every free CPU of node 0
+    _, state = policy.admit(state, workload(22000))  # every free CPU of node 0
     assert state.exclusive == XEON.numa_nodes[0] - P("0,24")
     _, result = follow(policy, state, offline(XEON, "5"))
     [change] = result.changes
@@ -81,8 +66,8 @@ def test_replacement_falls_back_to_another_numa_node_when_its_own_is_full():
 def test_no_free_cpu_degrades_and_the_cpu_returns_to_its_container():
     policy = StaticPolicy(SMALL, P("0"))
     state = policy.empty_state()
-    one, state = policy.admit(state, wl(1))
-    rest, state = policy.admit(state, wl(6))
+    one, state = policy.admit(state, workload(1000))
+    rest, state = policy.admit(state, workload(6000))
     assert (one.cpus, rest.cpus) == (P("1"), P("2-7"))
     assert state.shared == P("0")
     moved, result = follow(policy, state, offline(SMALL, "1"))
@@ -102,7 +87,7 @@ def test_no_free_cpu_degrades_and_the_cpu_returns_to_its_container():
 
 def test_partial_loss_keeps_what_is_left():
     policy = StaticPolicy(SMALL, P("0"))
-    decision, state = policy.admit(policy.empty_state(), wl(7))
+    decision, state = policy.admit(policy.empty_state(), workload(7000))
     assert decision.cpus == P("1-7")
     _, result = follow(policy, state, offline(SMALL, "6-7"))
     held = result.state.assignments[decision.container_id]
@@ -112,8 +97,8 @@ def test_partial_loss_keeps_what_is_left():
 def test_an_owed_cpu_that_is_online_is_not_handed_to_anyone_else():
     policy = StaticPolicy(SMALL, P("0"))
     state = policy.empty_state()
-    _one, state = policy.admit(state, wl(1))
-    _, state = policy.admit(state, wl(5))  # 2-6; 7 stays free
+    _one, state = policy.admit(state, workload(1000))
+    _, state = policy.admit(state, workload(5000))  # 2-6; 7 stays free
     moved, result = follow(policy, state, offline(SMALL, "1"))
     assert result.changes[0].action == "replaced" and result.changes[0].cpus == P("7")
     # With a replacement, the returning CPU is free for anyone.
@@ -124,22 +109,22 @@ def test_an_owed_cpu_that_is_online_is_not_handed_to_anyone_else():
 def test_free_exclusive_excludes_cpus_owed_to_degraded_containers():
     policy = StaticPolicy(SMALL, P("0"))
     state = policy.empty_state()
-    one, state = policy.admit(state, wl(1))
+    one, state = policy.admit(state, workload(1000))
     held = state.assignments[one.container_id]
     degraded = Assignment(**{**held.__dict__, "cpus": P(""), "lost": P("1")})
     owed = state.evolve(assignments={one.container_id: degraded})
     assert 1 not in policy.free_exclusive(owed)
     with pytest.raises(PolicyError):
-        policy.admit(owed, wl(7))
+        policy.admit(owed, workload(7000))
 
 
 def test_strict_nic_locality_limits_replacements_to_the_nic_nodes():
     policy = StaticPolicy(XEON, P("0,24"))
     state = policy.empty_state()
     nic = NICPreference(P("1"), strict=True, nics=("net1 (pci/0000:3b:00.0, NUMA 1)",))
-    decision, state = policy.admit(state, wl(2), nic)
+    decision, state = policy.admit(state, workload(2000), nic)
     assert decision.cpus <= XEON.numa_nodes[1]
-    _, state = policy.admit(state, wl(22), NICPreference(P("1")))  # the rest of node 1
+    _, state = policy.admit(state, workload(22000), NICPreference(P("1")))  # the rest of node 1
     assert not policy.free_exclusive(state) & XEON.numa_nodes[1]
     lost = CPUSet([min(decision.cpus)])
     _, result = follow(policy, state, offline(XEON, str(lost)))
@@ -152,8 +137,8 @@ def test_the_shared_pool_is_never_left_empty():
     # nowhere to run: the largest assignment gives one CPU back, owed to it.
     policy = StaticPolicy(SMALL, P("0"))
     state = policy.empty_state()
-    _small, state = policy.admit(state, wl(2))
-    big, state = policy.admit(state, wl(5))
+    _small, state = policy.admit(state, workload(2000))
+    big, state = policy.admit(state, workload(5000))
     without_0 = offline(SMALL, "0")
     moved = StaticPolicy(without_0, P("0"))
     result = follow_online(moved, state, previous=SMALL)
@@ -172,7 +157,7 @@ def test_reserved_cpus_may_be_offline():
 
 def test_check_accepts_offline_cpus_and_rejects_online_unassignable_ones():
     policy = StaticPolicy(SMALL, P("0"))
-    decision, state = policy.admit(policy.empty_state(), wl(2))
+    decision, state = policy.admit(policy.empty_state(), workload(2000))
     assert StaticPolicy(offline(SMALL, str(decision.cpus)), P("0")).check(state) is None
     assert "no longer assignable" in StaticPolicy(SMALL, P("0-1")).check(state)
 
@@ -183,8 +168,8 @@ def test_check_accepts_offline_cpus_and_rejects_online_unassignable_ones():
 def test_new_fields_round_trip_and_are_omitted_when_unset():
     policy = StaticPolicy(XEON, P("0,24"))
     nic = NICPreference(P("1"), True, ("net1 (pci/0000:3b:00.0, NUMA 1)",))
-    decision, state = policy.admit(policy.empty_state(), wl(2), nic)
-    plain, state = policy.admit(state, wl(1))
+    decision, state = policy.admit(policy.empty_state(), workload(2000), nic)
+    plain, state = policy.admit(state, workload(1000))
     doc = to_document(state)
     entry = doc["assignments"][decision.container_id]
     assert entry["nic_nodes"] == "1" and entry["nic_strict"] is True
@@ -197,7 +182,7 @@ def test_new_fields_round_trip_and_are_omitted_when_unset():
 
 def test_a_document_written_before_these_fields_still_loads():
     policy = StaticPolicy(SMALL, P("0"))
-    _, state = policy.admit(policy.empty_state(), wl(2))
+    _, state = policy.admit(policy.empty_state(), workload(2000))
     doc = to_document(state)
     for entry in doc["assignments"].values():
         assert "lost" not in entry and "nics" not in entry
@@ -215,8 +200,8 @@ def test_a_document_written_before_these_fields_still_loads():
 )
 def test_inconsistent_hotplug_fields_are_refused(change, message):
     policy = StaticPolicy(SMALL, P("0"))
-    decision, state = policy.admit(policy.empty_state(), wl(1))
-    _, state = policy.admit(state, wl(1))  # holds 2
+    decision, state = policy.admit(policy.empty_state(), workload(1000))
+    _, state = policy.admit(state, workload(1000))  # holds 2
     doc = to_document(state)
     doc["assignments"][decision.container_id].update(change)
     doc["checksum"] = checksum(doc)
@@ -228,7 +213,7 @@ def test_the_store_accepts_any_layout_when_the_caller_repairs_it(tmp_path):
     from nri_cpuplugin.storage.store import Expected, StateStore
 
     policy = StaticPolicy(SMALL, P("0"))
-    _, state = policy.admit(policy.empty_state(), wl(2))
+    _, state = policy.admit(policy.empty_state(), workload(2000))
     store = StateStore(tmp_path / "state")
     with store.locked():
         store.commit(state.evolve(fingerprint="online=0-15;isolated=;smt=1;numa=1"))

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from builders import container, pod
 from daemon_driver import Driver
-from nri_messages import container, pod
 from topologies import build, offline, topology
 
 from nri_cpuplugin.base import jsonbytes

@@ -30,12 +30,6 @@ def test_a_malformed_lock_line_is_refused_with_its_place(recipe, tmp_path: Path)
     assert epoch.filename == "libcrypt1_1%3a4.4.33-2_amd64.deb"  # as apt-get download names it
 
 
-def test_the_dependency_walk_takes_first_alternatives_without_versions(recipe) -> None:
-    field = "libc6 (>= 2.34), dpkg (>= 1.15.4) | install-info, python3:any, zlib1g"
-    assert recipe.image_debs._first_alternatives(field) == ["libc6", "dpkg", "python3", "zlib1g"]
-    assert recipe.image_debs._first_alternatives("") == []
-
-
 class FakeApt:
     """apt-cache's answers for a small archive (the walk's input, not apt itself)."""
 
@@ -48,6 +42,14 @@ class FakeApt:
             for n, d in self.packages.items()
             if n in names
         }
+
+
+def test_the_dependency_walk_takes_first_alternatives_without_versions(recipe) -> None:
+    field = "libc6 (>= 2.34), dpkg (>= 1.15.4) | install-info, python3:any, zlib1g"
+    leaves = {name: "" for name in ("libc6", "dpkg", "python3", "zlib1g", "install-info")}
+    apt = FakeApt({"app": field, **leaves})
+    names = [d.name for d in recipe.image_debs.resolve(apt, ["app"], [])]
+    assert names == ["app", "dpkg", "libc6", "python3", "zlib1g"]  # no install-info
 
 
 def test_the_closure_follows_depends_and_stops_at_exclusions(recipe) -> None:

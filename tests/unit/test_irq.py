@@ -13,9 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from builders import Machine, container, pod
 from daemon_driver import Driver
 from fake_irqbalance import FakeIrqbalance, short_root
-from nri_messages import container, pod
 from proc_gen import proc_tree
 from topologies import build
 
@@ -211,8 +211,6 @@ def test_the_guides_removal_gives_back_what_a_stopped_daemon_took(node):
 
 
 def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
-    from test_hotplug import Machine, cpu_event
-
     machine = Machine(tmp_path)  # 8 CPUs, 2 sockets; its sysfs at tmp_path/sysfs
     machine.set()
     proc = proc_tree(tmp_path / "proc", {24: "0-7"})
@@ -229,14 +227,14 @@ def test_cpu_hotplug_recomputes_the_kept_free_cpus(tmp_path):
         assert not P(affinity(proc, 24)) & before
         lost = max(before)
         machine.set(offline={lost})
-        cpu_event(driver, "offline", lost)
+        driver.hotplug("offline", lost)
         held = driver.state.assignments[pg.id].cpus
         assert held != before  # a replacement CPU, which the interrupt must leave too
         assert not P(affinity(proc, 24)) & held
         # the offline CPU stays recorded as taken, to be given back once it is online again
         assert lost in driver.on_disk().irqs[24].taken
         machine.set()
-        cpu_event(driver, "online", lost)
+        driver.hotplug("online", lost)
         assert not P(affinity(proc, 24)) & driver.state.assignments[pg.id].cpus
         driver.stop_container(db, pg)
         assert affinity(proc, 24) == "0-7" and not driver.on_disk().irqs

@@ -6,7 +6,8 @@ which the next run gives every CPU back exactly.
 The daemon as ``nri-cpuplugin run`` builds it (tests/daemon_driver.py) on a generated 8-CPU
 node (CPUs 0-1 reserved) with a generated /proc beside it (tests/proc_gen.py).  Time is the
 interrupt writes' own (tests/model_stall.py ``SlowIrqWrites``); a full disk is the FAKE edge
-of the state file's durable write (``files.write_atomic``)."""
+of the state file's durable write (``files.write_atomic``).  The daemon's timers are held
+(tests/daemon_driver.py ``Timers``): the test submits the rescan and the retry when it wants."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import errno
 import shutil
 from pathlib import Path
 
-import pytest
-from daemon_driver import Driver
+from builders import container, guaranteed_pod, pod
+from daemon_driver import Driver, Timers
 from model_stall import SlowIrqWrites
-from nri_messages import container, guaranteed_pod, pod
 from proc_gen import affinities, proc_tree
 from topologies import build
 
@@ -104,7 +104,7 @@ def test_a_request_queued_behind_interrupt_work_is_answered_within_its_budget(tm
     interrupts are all narrowed afterwards."""
     settings = node_at(tmp_path, 200)
     writes = SlowIrqWrites(cost=0.02)
-    driver = Driver(settings)
+    driver = Driver(settings, later=Timers())
     writes.install(driver.daemon.worker)
     adapter = driver.daemon.adapter
     db, web = irq_free_pod("db"), guaranteed_pod("web", 2000)
@@ -142,7 +142,7 @@ def test_a_pass_planned_again_midway_gives_back_exactly_what_it_took(tmp_path):
     still there - and only those - as its record says."""
     settings = node_at(tmp_path, 100)
     writes = SlowIrqWrites(cost=0.02)
-    driver = Driver(settings)
+    driver = Driver(settings, later=Timers())
     writes.install(driver.daemon.worker)
     adapter = driver.daemon.adapter
     db, cache = irq_free_pod("db"), irq_free_pod("cache")
@@ -228,7 +228,7 @@ INTERRUPTS = 3
 
 
 def place_irq_free_pod(settings: Settings) -> Driver:
-    driver = Driver(settings)
+    driver = Driver(settings, later=Timers())
     driver.configure()
     driver.synchronize([], [])
     db = irq_free_pod("db")
@@ -243,7 +243,7 @@ def gives_everything_back(base: Path) -> list[str]:
     settings = Settings(
         sysfs=str(next(base.glob("sysfs-*"))), state_dir=str(base / "state"), reserved_cpu_count=2
     )
-    again = Driver(settings)
+    again = Driver(settings, later=Timers())
     try:
         again.configure()
         again.synchronize([], [])
@@ -290,7 +290,7 @@ def test_with_the_disk_full_at_any_commit_a_kill_at_any_point_loses_no_cpu(tmp_p
 
 def test_interrupts_left_alone_on_a_full_disk_are_narrowed_once_it_recovers(tmp_path, monkeypatch):
     settings = node_at(tmp_path, INTERRUPTS)
-    driver = Driver(settings)
+    driver = Driver(settings, later=Timers())
     driver.configure()
     driver.synchronize([], [])
     disk = FullDisk(monkeypatch, 1)
@@ -309,11 +309,3 @@ def test_interrupts_left_alone_on_a_full_disk_are_narrowed_once_it_recovers(tmp_
         assert on_disk(settings.state_dir).irqs[24].taken == kept
     finally:
         driver.close()
-
-
-@pytest.fixture(autouse=True)
-def _no_timers(monkeypatch):
-    """The daemon's timers (the rescan, the retry) are submitted by the test when it wants."""
-    from nri_cpuplugin.daemon.service import Daemon
-
-    monkeypatch.setattr(Daemon, "_later", lambda self, delay, event: True)

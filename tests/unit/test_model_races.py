@@ -188,7 +188,7 @@ class NodeModel(RuleBasedStateMachine):
         if os.environ.get("NRI_MODEL_DEBUG") and getattr(self, "runtime", None):
             self.host.quiesce() if not self.stalled else None
             cg = {repr(c): str(self.machine.cgroups.cpus(c.path)) for c in self.runtime.running()}
-            note(f"    cgroups {cg} owed {sorted(i[:12] for i in self.host.daemon.node.owed._ids)}")
+            note(f"    cgroups {cg} owed {sorted(i[:12] for i in self.host.daemon.node.owed)}")
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from model_stall import SteppedTime
 
 from nri_cpuplugin.storage import owner
 
@@ -48,12 +48,12 @@ def test_a_killed_daemon_releases_its_claim(state_dir: tuple[str, int]) -> None:
     child = subprocess.Popen(
         [
             sys.executable, "-c",
-            "import os, sys, time\n"
+            "import os, signal, sys\n"
             "from nri_cpuplugin.storage import owner\n"
             "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
             "owner.claim(fd, sys.argv[1], 0)\n"
             "print('claimed', flush=True)\n"
-            "time.sleep(60)\n",
+            "signal.pause()\n",  # until killed
             path,
         ],
         stdout=subprocess.PIPE, text=True,
@@ -72,10 +72,10 @@ def test_a_killed_daemon_releases_its_claim(state_dir: tuple[str, int]) -> None:
 def test_a_second_daemon_is_refused_after_waiting(state_dir: tuple[str, int]) -> None:
     path, fd = state_dir
     held = owner.claim(fd, path, wait=0)
-    started = time.monotonic()
+    stepped = SteppedTime()
     with pytest.raises(owner.ClaimError, match=rf"in use by another .* \(pid {os.getpid()}\)"):
-        owner.claim(fd, path, wait=0.2)
-    assert time.monotonic() - started >= 0.2
+        owner.claim(fd, path, wait=0.2, clock=stepped.clock, sleep=stepped.sleep)
+    assert sum(stepped.slept) >= 0.2 and stepped.slept  # it waited its 0.2 s, trying again
     os.close(held)
 
 
@@ -88,22 +88,9 @@ def test_a_probe_never_blocks_a_daemon_for_long(state_dir: tuple[str, int]) -> N
 
     probe = os.open(os.path.join(path, owner.DAEMON_FILE), os.O_RDONLY)
     fcntl.flock(probe, fcntl.LOCK_SH)  # a probe caught in the middle
-    import threading
-
-    claiming, released = threading.Event(), threading.Event()
-
-    def release_once_claiming() -> None:
-        claiming.wait(30)
-        time.sleep(0.05)  # (most likely inside claim's wait by then; either order is correct)
-        os.close(probe)
-        released.set()
-
-    thread = threading.Thread(target=release_once_claiming)
-    thread.start()
-    claiming.set()
-    os.close(owner.claim(fd, path, wait=30.0))  # a bound no busy machine reaches
-    assert released.is_set()  # the claim went through only once the probe was done
-    thread.join()
+    stepped = SteppedTime(on_sleep=lambda: os.close(probe))  # the probe done while claim waits
+    os.close(owner.claim(fd, path, wait=30.0, clock=stepped.clock, sleep=stepped.sleep))
+    assert stepped.slept == [0.02]  # it waited once, and went through once the probe was done
 
 
 def test_a_link_in_place_of_the_claim_file_is_refused(

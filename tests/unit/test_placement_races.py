@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from builders import container, pod, workload
 from model_runtime import MACHINE, Ctr, ModelNode, cpu_event, cpuset_request, resize_request
-from test_policy import wl
 from topologies import topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -44,10 +44,10 @@ def test_a_trimmed_earmark_keeps_whole_cores_for_the_container_that_takes_it(opt
     policy = StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2)
     policy = StaticPolicy(policy.topology, policy.reserved, options)
     state = earmarked(policy, 3000)
-    _, state = policy.admit(state, wl(500, pod="pod-a", name="sidecar", qos="guaranteed"))
+    _, state = policy.admit(state, workload(500, pod="pod-a", name="sidecar", qos="guaranteed"))
     kept = state.earmarks["pod-a"].cpus
     assert len(kept) == 2 and whole_cores(policy, kept)
-    decision, state = policy.admit(state, wl(2000, pod="pod-a", name="main"))
+    decision, state = policy.admit(state, workload(2000, pod="pod-a", name="main"))
     assert decision.cpus == kept and whole_cores(policy, decision.cpus)
 
 
@@ -57,8 +57,6 @@ def test_a_trimmed_earmark_keeps_whole_cores_for_the_container_that_takes_it(opt
 def test_kubelets_container_type_annotation_makes_an_init_container():
     """kubelet annotates every container with its kind in the pod spec; the runtime's view has
     nothing else to tell an init container by (NRI and OCI alike)."""
-    from nri_messages import container, pod
-
     from nri_cpuplugin.core.workload import CONTAINER_TYPE, from_nri
     from nri_cpuplugin.hook.oci import OCIConfig, OCIState, from_oci
 
@@ -81,10 +79,10 @@ def test_an_init_container_claims_nothing_and_its_cpus_serve_the_app_container()
     container gets its CPUs again."""
     policy = StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2)
     state = earmarked(policy, 2000)
-    init = wl(2000, pod="pod-a", name="migrate", kind="init")
+    init = workload(2000, pod="pod-a", name="migrate", kind="init")
     first, state = policy.admit(state, init)
     _, state = policy.release(state, init.container_id)
-    decision, state = policy.admit(state, wl(2000, pod="pod-a", name="main"))
+    decision, state = policy.admit(state, workload(2000, pod="pod-a", name="main"))
     assert decision.cpus == first.cpus and "init containers' CPUs" in decision.reason
 
 
@@ -94,10 +92,10 @@ def test_a_sidecar_claims_its_share_when_the_app_container_comes():
     that no container of the pod can ask for."""
     policy = StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2)
     state = earmarked(policy, 3500)  # sidecar 1.5 CPUs (shared) + main 2 CPUs
-    sidecar = wl(1500, pod="pod-a", name="proxy", kind="init")
+    sidecar = workload(1500, pod="pod-a", name="proxy", kind="init")
     _, state = policy.admit(state, sidecar)
     assert len(state.earmarks["pod-a"].cpus) == 3  # not decided yet: it may be a plain init
-    _, state = policy.admit(state, wl(2000, pod="pod-a", name="main"))
+    _, state = policy.admit(state, workload(2000, pod="pod-a", name="main"))
     assert "pod-a" not in state.earmarks  # claimed whole: 1.5 + 2 CPUs
     assert state.shared == policy.shareable - state.exclusive
 
@@ -108,7 +106,7 @@ def test_deferred_init_containers_are_kept_in_the_state_file_and_checked():
 
     policy = StaticPolicy.from_config(topology("xeon-e5-2680v3-2s"), reserved_count=2)
     state = earmarked(policy, 3500)
-    _, state = policy.admit(state, wl(1500, pod="pod-a", name="proxy", kind="init"))
+    _, state = policy.admit(state, workload(1500, pod="pod-a", name="proxy", kind="init"))
     again = state_mod.decode(state_mod.encode(state))
     assert again.earmarks["pod-a"].deferred == state.earmarks["pod-a"].deferred != ()
     doc = state_mod.to_document(state)

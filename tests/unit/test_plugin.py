@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from builders import container, pod
 from daemon_driver import Driver, Records
 from fake_cgroup_v2 import FakeV2, on_generated_node
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core.cpuset import CPUSet
@@ -170,10 +170,6 @@ def test_removing_an_earlier_sandbox_of_a_pod_leaves_its_newer_sandbox_alone(nod
 
 def test_pod_update_keeps_the_pods_cpusets_and_is_audited(node):
     plugin, records = node
-    # The fixture's plugin starts from an empty state and so reads the *host's* cgroups for
-    # CPUs pinned by running containers (liveness.pinned_cpus); other containers pinned on
-    # this machine would move the CPUs chosen below.
-    plugin.node.pinned = CPUSet()
     pushed = []  # unsolicited UpdateContainers: never sent, they can deadlock the runtime
     plugin.daemon.stub = type(
         "Stub", (), {"schedule_update_containers": lambda _, u, done: pushed.extend(u)}
@@ -355,11 +351,14 @@ def test_unverified_containers_cost_a_creation_nothing(node, tmp_path, monkeypat
     """1,000 containers known only from the state file (a restart without Synchronize): a
     creation does not check their cgroups; the sweep checks them a batch at a time."""
     plugin, _ = node
+    pods, containers = [], []
     for i in range(1000):
         p = pod(f"old{i:04d}x", "burstable")  # (ids are names padded with 0s)
         c = container(f"old{i:04d}x", p, 100)
         c.linux.cgroups_path = f"/kubepods/burstable/pod{i}/{c.id}"
-        plugin.create_container(p, c)
+        pods.append(p)
+        containers.append(c)
+    plugin.synchronize(pods, containers)  # the earlier life knew them all (one commit)
     restarted = restart(plugin)
     restarted.daemon.load_state()
     assert len(restarted.node.unverified) == 1000

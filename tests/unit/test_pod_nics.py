@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from builders import container, pod
 from daemon_driver import Driver
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin.core import annotation

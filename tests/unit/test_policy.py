@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from builders import workload
 from topologies import topology
 
 from nri_cpuplugin.core.allocator import STRICT_CPU_RESERVATION
@@ -11,26 +12,9 @@ from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.annotation import ISOLATED as ISOLATED_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
-from nri_cpuplugin.core.workload import BESTEFFORT, BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.workload import BESTEFFORT, BURSTABLE
 
 P = CPUSet.parse
-_ids = iter(range(10**6))
-
-
-def wl(milli=1000, qos=GUARANTEED, name=None, pod="pod-a", kind="app", **annotations) -> Workload:
-    n = next(_ids)
-    return Workload(
-        container_id=f"{n:064x}",
-        container_name=name or f"c{n}",
-        pod_uid=pod,
-        pod_name=pod,
-        pod_namespace="ns",
-        qos=qos,
-        cpu_request_milli=milli,
-        cpu_limit_milli=milli,
-        annotations=annotations,
-        kind=kind,
-    )
 
 
 def xeon(**kw) -> tuple[StaticPolicy, object]:
@@ -41,19 +25,19 @@ def xeon(**kw) -> tuple[StaticPolicy, object]:
 @pytest.mark.parametrize(
     ("workload", "exclusive", "reason"),
     [
-        (wl(2000), True, "guaranteed with 2 whole CPUs"),
-        (wl(1500), False, "1500m (not whole CPUs)"),
-        (wl(2000, qos=BURSTABLE), False, "burstable QoS shares"),
-        (wl(0, qos=BESTEFFORT), False, "besteffort QoS shares"),
-        (wl(2000, **{EXCLUSIVE_ANNOTATION: "false"}), False, "opted out"),
+        (workload(2000), True, "guaranteed with 2 whole CPUs"),
+        (workload(1500), False, "1500m (not whole CPUs)"),
+        (workload(2000, qos=BURSTABLE), False, "burstable QoS shares"),
+        (workload(0, qos=BESTEFFORT), False, "besteffort QoS shares"),
+        (workload(2000, **{EXCLUSIVE_ANNOTATION: "false"}), False, "opted out"),
         (
-            wl(2000, name="db", **{f"{EXCLUSIVE_ANNOTATION}/container.db": "false"}),
+            workload(2000, name="db", **{f"{EXCLUSIVE_ANNOTATION}/container.db": "false"}),
             False,
             "opted out",
         ),
         # the container-specific value wins over the pod-wide one
         (
-            wl(
+            workload(
                 2000,
                 name="db",
                 **{EXCLUSIVE_ANNOTATION: "false", f"{EXCLUSIVE_ANNOTATION}/container.db": "true"},
@@ -62,8 +46,8 @@ def xeon(**kw) -> tuple[StaticPolicy, object]:
             "guaranteed",
         ),
         # an annotation cannot grant what QoS does not
-        (wl(2000, qos=BURSTABLE, **{EXCLUSIVE_ANNOTATION: "true"}), False, "burstable"),
-        (wl(2000, qos=BURSTABLE, **{ISOLATED_ANNOTATION: "true"}), False, "burstable"),
+        (workload(2000, qos=BURSTABLE, **{EXCLUSIVE_ANNOTATION: "true"}), False, "burstable"),
+        (workload(2000, qos=BURSTABLE, **{ISOLATED_ANNOTATION: "true"}), False, "burstable"),
     ],
 )
 def test_eligibility(workload, exclusive, reason):
@@ -80,13 +64,13 @@ def test_eligibility(workload, exclusive, reason):
 
 def test_exclusive_assignment_shrinks_shared_pool_and_sets_mems():
     policy, state = xeon()
-    decision, state = policy.admit(state, wl(4000))
+    decision, state = policy.admit(state, workload(4000))
     assert decision.cpus == P("1-2,25-26")  # 0,24 are reserved
     assert decision.mems == P("0")
     assert decision.shared_before == P("0-47")  # reserved CPUs stay shared without strict mode
     assert decision.shared_after == P("0,3-24,27-47")
     assert state.shared == decision.shared_after
-    shared, _ = policy.admit(state, wl(500))
+    shared, _ = policy.admit(state, workload(500))
     assert shared.cpus == decision.shared_after
 
 
@@ -98,7 +82,7 @@ def test_strict_reservation_keeps_reserved_out_of_shared_pool():
 def test_odd_annotation_value_is_a_clear_error():
     policy, state = xeon()
     with pytest.raises(PolicyError, match=f"{EXCLUSIVE_ANNOTATION}='maybe'.*'true' or 'false'"):
-        policy.admit(state, wl(1000, **{EXCLUSIVE_ANNOTATION: "maybe"}))
+        policy.admit(state, workload(1000, **{EXCLUSIVE_ANNOTATION: "maybe"}))
 
 
 @pytest.mark.parametrize("value", ["disable", "true"])
@@ -108,22 +92,22 @@ def test_crio_quota_lift_on_an_opted_out_container_is_refused(value):
     policy, state = xeon()
     quota = {CRIO_CPU_QUOTA: value}
     with pytest.raises(PolicyError, match=rf"opted out .*{CRIO_CPU_QUOTA}={value}") as err:
-        policy.admit(state, wl(2000, **{EXCLUSIVE_ANNOTATION: "false"}, **quota))
+        policy.admit(state, workload(2000, **{EXCLUSIVE_ANNOTATION: "false"}, **quota))
     assert err.value.code == "bad-annotation"
     # Exclusive CPUs: both lift the quota (cfs_quota = "unlimited"), no conflict.
-    assert policy.admit(state, wl(2000, **quota))[0].exclusive
+    assert policy.admit(state, workload(2000, **quota))[0].exclusive
     # Containers CRI-O skips (Burstable, fractional CPUs) share as ever; so does "enable".
-    assert not policy.admit(state, wl(2000, qos=BURSTABLE, **quota))[0].exclusive
-    assert not policy.admit(state, wl(1500, **quota))[0].exclusive
+    assert not policy.admit(state, workload(2000, qos=BURSTABLE, **quota))[0].exclusive
+    assert not policy.admit(state, workload(1500, **quota))[0].exclusive
     enable = {CRIO_CPU_QUOTA: "enable", EXCLUSIVE_ANNOTATION: "false"}
-    assert not policy.admit(state, wl(2000, **enable))[0].exclusive
+    assert not policy.admit(state, workload(2000, **enable))[0].exclusive
 
 
 def test_request_beyond_free_fails_naming_request_and_free():
     policy, state = xeon()
-    _, state = policy.admit(state, wl(40000))
+    _, state = policy.admit(state, workload(40000))
     with pytest.raises(PolicyError) as err:
-        policy.admit(state, wl(8000, pod="big"))
+        policy.admit(state, workload(8000, pod="big"))
     message = str(err.value)
     assert "asks for 8 exclusive CPUs" in message and "(6)" in message and "pod ns/big" in message
 
@@ -132,8 +116,8 @@ def test_shared_pool_is_never_emptied():
     t = topology("single-socket-no-smt")
     policy = StaticPolicy(t, P("0"), [STRICT_CPU_RESERVATION])
     with pytest.raises(PolicyError, match="leave the shared pool empty"):
-        policy.admit(policy.empty_state(), wl(7000))
-    decision, _ = policy.admit(policy.empty_state(), wl(6000))
+        policy.admit(policy.empty_state(), workload(7000))
+    decision, _ = policy.admit(policy.empty_state(), workload(6000))
     assert decision.shared_after == P("7")
 
 
@@ -142,61 +126,61 @@ def test_isolated_cpus_only_on_request_and_never_shared():
     policy = StaticPolicy.from_config(t, reserved_count=1)
     state = policy.empty_state()
     assert not state.shared & t.isolated
-    plain, state = policy.admit(state, wl(2000))
+    plain, state = policy.admit(state, workload(2000))
     assert not plain.cpus & t.isolated
-    iso, state = policy.admit(state, wl(2000, **{ISOLATED_ANNOTATION: "true"}))
+    iso, state = policy.admit(state, workload(2000, **{ISOLATED_ANNOTATION: "true"}))
     assert iso.cpus == P("2,10")
     assert iso.shared_after == iso.shared_before  # isolated CPUs were never shared
     with pytest.raises(PolicyError, match="isolated CPUs"):
-        policy.admit(state, wl(4000, **{ISOLATED_ANNOTATION: "true"}))
+        policy.admit(state, workload(4000, **{ISOLATED_ANNOTATION: "true"}))
 
 
 def test_restarted_container_gets_previous_cpus_back():
     policy, state = xeon()
-    first = wl(2000, name="app", pod="p1")
-    decision, state = policy.admit(state, wl(2000))  # take the lowest CPUs first
+    first = workload(2000, name="app", pod="p1")
+    decision, state = policy.admit(state, workload(2000))  # take the lowest CPUs first
     mine, state = policy.admit(state, first)
     _, state = policy.release(state, first.container_id)
     _, state = policy.release(state, decision.container_id)  # lower CPUs are now free again
-    restarted = wl(2000, name="app", pod="p1")
+    restarted = workload(2000, name="app", pod="p1", cid="app-restarted")
     again, state = policy.admit(state, restarted)
     assert again.cpus == mine.cpus and "previous CPUs" in again.reason
 
 
 def test_restart_gets_new_cpus_when_previous_are_taken():
     policy, state = xeon()
-    first = wl(2000, name="app", pod="p1")
+    first = workload(2000, name="app", pod="p1")
     mine, state = policy.admit(state, first)
     _, state = policy.release(state, first.container_id)
-    _, state = policy.admit(state, wl(2000, pod="thief"))  # takes the same, lowest CPUs
-    again, _ = policy.admit(state, wl(2000, name="app", pod="p1"))
+    _, state = policy.admit(state, workload(2000, pod="thief"))  # takes the same, lowest CPUs
+    again, _ = policy.admit(state, workload(2000, name="app", pod="p1", cid="app-restarted"))
     assert again.cpus != mine.cpus and "topology" in again.reason
 
 
 def test_finished_init_container_cpus_go_to_app_containers_of_its_pod():
     policy, state = xeon()
-    init = wl(4000, name="init", pod="p1", kind="init")
+    init = workload(4000, name="init", pod="p1", kind="init")
     init_decision, state = policy.admit(state, init)
-    _, state = policy.admit(state, wl(2000, pod="other"))
+    _, state = policy.admit(state, workload(2000, pod="other"))
     _, state = policy.release(state, init.container_id)
-    app, state = policy.admit(state, wl(2000, name="app", pod="p1"))
+    app, state = policy.admit(state, workload(2000, name="app", pod="p1"))
     assert app.cpus <= init_decision.cpus and "init" in app.reason
-    sidecar, _ = policy.admit(state, wl(2000, name="side", pod="p1", kind="sidecar"))
+    sidecar, _ = policy.admit(state, workload(2000, name="side", pod="p1", kind="sidecar"))
     assert sidecar.cpus <= init_decision.cpus  # sidecars are app containers here
 
 
 def test_other_pods_do_not_reuse_init_cpus_first():
     policy, state = xeon()
-    init = wl(2000, name="init", pod="p1", kind="init")
+    init = workload(2000, name="init", pod="p1", kind="init")
     _, state = policy.admit(state, init)
     _, state = policy.release(state, init.container_id)
-    other, _ = policy.admit(state, wl(2000, pod="p2"))
+    other, _ = policy.admit(state, workload(2000, pod="p2"))
     assert "topology" in other.reason
 
 
 def test_release_returns_grown_shared_pool_and_forget_pod_clears_memory():
     policy, state = xeon()
-    w = wl(2000, pod="p1")
+    w = workload(2000, pod="p1")
     granted, state = policy.admit(state, w)
     released, state = policy.release(state, w.container_id)
     assert released.cpus == granted.cpus
@@ -209,7 +193,7 @@ def test_release_returns_grown_shared_pool_and_forget_pod_clears_memory():
 
 def test_repeated_create_event_is_idempotent():
     policy, state = xeon()
-    w = wl(2000)
+    w = workload(2000)
     first, state = policy.admit(state, w)
     second, state2 = policy.admit(state, w)
     assert second.cpus == first.cpus and state2 == state
@@ -230,7 +214,7 @@ def test_reserved_must_be_cpus_of_the_machine_and_nonempty():
 
 def test_check_rejects_state_that_no_longer_fits_the_machine():
     policy, state = xeon()
-    _, state = policy.admit(state, wl(2000))
+    _, state = policy.admit(state, workload(2000))
     assert policy.check(state) is None
     other = StaticPolicy(topology("xeon-e5-2680v3-2s"), P("0-1,24-25"))
     assert "no longer assignable" in other.check(state)
@@ -246,7 +230,7 @@ def test_no_cpu_is_ever_assigned_twice_under_churn():
         if live and rng.random() < 0.45:
             _, state = policy.release(state, live.pop(rng.randrange(len(live))))
         else:
-            w = wl(rng.choice([1000, 2000, 3000, 4000, 1500]), pod=f"p{rng.randrange(20)}")
+            w = workload(rng.choice([1000, 2000, 3000, 4000, 1500]), pod=f"p{rng.randrange(20)}")
             try:
                 decision, state = policy.admit(state, w)
             except PolicyError:
@@ -262,9 +246,9 @@ def test_no_cpu_is_ever_assigned_twice_under_churn():
 
 def test_a_new_container_supersedes_a_dead_one_of_the_same_pod_and_name():
     policy, state = xeon()
-    failed = wl(2000, name="app", pod="p1")
+    failed = workload(2000, name="app", pod="p1")
     first, state = policy.admit(state, failed)  # creation then failed in the runtime
-    retry = wl(2000, name="app", pod="p1")
+    retry = workload(2000, name="app", pod="p1", cid="app-retried")
     second, state = policy.admit(state, retry)
     assert second.cpus == first.cpus  # the dead one's CPUs, as for a restart
     assert list(state.assignments) == [retry.container_id]
@@ -273,18 +257,18 @@ def test_a_new_container_supersedes_a_dead_one_of_the_same_pod_and_name():
 
 def test_adopt_keeps_cpus_a_container_already_runs_on_only_if_free_and_exact():
     policy, state = xeon()
-    w = wl(2000, pod="p1")
+    w = workload(2000, pod="p1")
     adopted = policy.adopt(state, w, P("5,29"))
     assert adopted.assignments[w.container_id].cpus == P("5,29")
-    assert policy.adopt(state, wl(2000), P("5")) is None  # wrong size
-    assert policy.adopt(adopted, wl(2000), P("5,29")) is None  # taken
-    assert policy.adopt(state, wl(2000), P("0,24")) is None  # reserved
-    assert policy.adopt(state, wl(500), P("5")) is None  # not eligible
+    assert policy.adopt(state, workload(2000), P("5")) is None  # wrong size
+    assert policy.adopt(adopted, workload(2000), P("5,29")) is None  # taken
+    assert policy.adopt(state, workload(2000), P("0,24")) is None  # reserved
+    assert policy.adopt(state, workload(500), P("5")) is None  # not eligible
 
 
 def test_release_and_forget_pod_track_shared_containers():
     policy, state = xeon()
-    shared_one = wl(500, qos=BURSTABLE, pod="p1")
+    shared_one = workload(500, qos=BURSTABLE, pod="p1")
     _, state = policy.admit(state, shared_one)
     assert state.sharing == {shared_one.container_id: "p1"}
     assert policy.release(state, shared_one.container_id)[1].sharing == {}
@@ -298,6 +282,6 @@ def test_remembered_stops_are_bounded():
     policy = StaticPolicy(topology("xeon-e5-2680v3-2s"), P("0,24"))
     state = policy.empty_state()
     for i in range(2000):
-        decision, state = policy.admit(state, wl(1000, name=f"c{i}", pod=f"p{i}"))
+        decision, state = policy.admit(state, workload(1000, name=f"c{i}", pod=f"p{i}"))
         _, state = policy.release(state, decision.container_id)
     assert len(state.released) == MAX_RELEASED

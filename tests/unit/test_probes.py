@@ -19,9 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from builders import container, pod
 from fake_runtime import FakeRuntime
 from lock_holder import LockHolder
-from nri_messages import container, pod
 from topologies import build
 
 from nri_cpuplugin import __version__

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
+from builders import workload
 from topologies import topology
 
 from nri_cpuplugin.core.annotation import EXCLUSIVE as EXCLUSIVE_ANNOTATION
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.policy import StaticPolicy
 from nri_cpuplugin.core.reconcile import LiveContainer, reconcile
-from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.workload import BURSTABLE
 
 P = CPUSet.parse
-
-
-def wl(cid: str, milli: int = 2000, qos: str = GUARANTEED, pod: str = "p", **ann) -> Workload:
-    return Workload(
-        container_id=cid.ljust(64, "0"),
-        container_name=cid,
-        pod_uid=pod,
-        qos=qos,
-        cpu_request_milli=milli,
-        annotations=ann,
-    )
 
 
 def policy() -> StaticPolicy:
@@ -31,14 +21,18 @@ def policy() -> StaticPolicy:
 def test_rebuild_from_nothing_adopts_running_cpus_and_places_newcomers():
     p = policy()
     live = [
-        LiveContainer(wl("a"), P("7,31")),  # already pinned by an earlier life of ours
-        LiveContainer(wl("b"), P("0-47")),  # created while we were down: unpinned
-        LiveContainer(wl("c", 500, BURSTABLE), P("0-47")),
+        LiveContainer(
+            workload(2000, name="a", pod="p"), P("7,31")
+        ),  # already pinned by an earlier life of ours
+        LiveContainer(
+            workload(2000, name="b", pod="p"), P("0-47")
+        ),  # created while we were down: unpinned
+        LiveContainer(workload(500, BURSTABLE, name="c", pod="p"), P("0-47")),
     ]
     result = reconcile(p, p.empty_state(), live, ["p"])
     cpus = {a.container_name: a.cpus for a in result.state.assignments.values()}
     assert cpus == {"a": P("7,31"), "b": P("1,25")}
-    assert result.state.sharing == {wl("c").container_id: "p"}
+    assert result.state.sharing == {workload(2000, name="c", pod="p").container_id: "p"}
     assert result.state.shared == P("0,2-6,8-24,26-30,32-47")
     assert any("adopted 7,31" in n for n in result.notes)
 
@@ -46,11 +40,13 @@ def test_rebuild_from_nothing_adopts_running_cpus_and_places_newcomers():
 def test_stale_assignments_are_dropped_and_kept_ones_stay():
     p = policy()
     state = p.empty_state()
-    _, state = p.admit(state, wl("keep"))
-    _, state = p.admit(state, wl("gone", pod="dead-pod"))
-    _, state = p.release(state, wl("gone", pod="dead-pod").container_id)
-    _, state = p.admit(state, wl("stale"))
-    result = reconcile(p, state, [LiveContainer(wl("keep"), CPUSet())], ["p"])
+    _, state = p.admit(state, workload(2000, name="keep", pod="p"))
+    _, state = p.admit(state, workload(2000, name="gone", pod="dead-pod"))
+    _, state = p.release(state, workload(2000, name="gone", pod="dead-pod").container_id)
+    _, state = p.admit(state, workload(2000, name="stale", pod="p"))
+    result = reconcile(
+        p, state, [LiveContainer(workload(2000, name="keep", pod="p"), CPUSet())], ["p"]
+    )
     assert [a.container_name for a in result.state.assignments.values()] == ["keep"]
     assert not result.state.released  # the pod is gone: nothing to remember it by
     assert any(n.startswith("dropped") and "stale" in n for n in result.notes)
@@ -59,9 +55,13 @@ def test_stale_assignments_are_dropped_and_kept_ones_stay():
 def test_opted_out_and_unsatisfiable_containers_share():
     p = policy()
     live = [
-        LiveContainer(wl("optout", **{EXCLUSIVE_ANNOTATION: "false"}), P("0-47")),
-        LiveContainer(wl("huge", 60000), P("0-47")),
-        LiveContainer(wl("odd", **{EXCLUSIVE_ANNOTATION: "perhaps"}), P("0-47")),
+        LiveContainer(
+            workload(2000, name="optout", pod="p", **{EXCLUSIVE_ANNOTATION: "false"}), P("0-47")
+        ),
+        LiveContainer(workload(60000, name="huge", pod="p"), P("0-47")),
+        LiveContainer(
+            workload(2000, name="odd", pod="p", **{EXCLUSIVE_ANNOTATION: "perhaps"}), P("0-47")
+        ),
     ]
     result = reconcile(p, p.empty_state(), live, ["p"])
     assert not result.state.assignments

@@ -4,13 +4,14 @@ container holds, shrink back to what it started with, cross between shared and e
 from __future__ import annotations
 
 import pytest
+from builders import workload
 from topologies import topology
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.engine import Engine
 from nri_cpuplugin.core.policy import PolicyError, StaticPolicy
 from nri_cpuplugin.core.state import decode, encode
-from nri_cpuplugin.core.workload import BURSTABLE, GUARANTEED, Workload
+from nri_cpuplugin.core.workload import BURSTABLE
 
 P = CPUSet.parse
 
@@ -19,23 +20,10 @@ def engine(name: str, reserved: str) -> Engine:
     return Engine(StaticPolicy(topology(name), P(reserved)))
 
 
-def wl(name: str, milli: int, qos: str = GUARANTEED, limit: int | None = None) -> Workload:
-    return Workload(
-        container_id=f"{name}-id",
-        container_name=name,
-        pod_uid=f"{name}-pod",
-        pod_name=name,
-        pod_namespace="ns",
-        qos=qos,
-        cpu_request_milli=milli,
-        cpu_limit_milli=milli if limit is None and qos == GUARANTEED else limit,
-    )
-
-
 def place(eng: Engine, *requests: tuple[str, int]):
-    state = eng.create(eng.policy.empty_state(), wl("web", 500, BURSTABLE)).state
+    state = eng.create(eng.policy.empty_state(), workload(500, BURSTABLE, name="web")).state
     for name, milli in requests:
-        state = eng.create(state, wl(name, milli)).state
+        state = eng.create(state, workload(milli, name=name)).state
     return state
 
 
@@ -59,7 +47,7 @@ def test_grow_keeps_what_it_holds_and_adds_the_closest(
     eng = engine(machine, reserved)
     state = place(eng, *others, ("db", old))
     held = state.assignments["db-id"].cpus
-    outcome = eng.resize(state, wl("db", new))
+    outcome = eng.resize(state, workload(new, name="db"))
     cpus = outcome.state.assignments["db-id"].cpus
     assert held <= cpus and len(cpus) == new // 1000
     topo = eng.topology
@@ -77,7 +65,7 @@ def test_grow_across_numa_only_when_forced():
     node0 = eng.topology.numa_nodes[0]
     state = place(eng, ("db", 14000))  # every free CPU of node 0 (16 minus the reserved 2)
     assert state.assignments["db-id"].cpus == node0 - P("0,32")
-    outcome = eng.resize(state, wl("db", 16000))
+    outcome = eng.resize(state, workload(16000, name="db"))
     cpus = outcome.state.assignments["db-id"].cpus
     assert cpus - node0 and len(eng.topology.numa_of(cpus)) == 2
     # SNC: the socket-wide LLC group spans both of its NUMA nodes.
@@ -89,21 +77,21 @@ def test_shrink_gives_back_the_newest_and_ends_on_the_first_set():
     state = place(eng, ("db", 2000))
     first = state.assignments["db-id"].cpus
     for count in (4, 6):
-        state = eng.resize(state, wl("db", count * 1000)).state
+        state = eng.resize(state, workload(count * 1000, name="db")).state
     grown = state.assignments["db-id"]
     assert first <= grown.cpus and len(grown.cpus) == 6 and grown.initial == first
-    back_to_4 = eng.resize(state, wl("db", 4000)).state.assignments["db-id"]
+    back_to_4 = eng.resize(state, workload(4000, name="db")).state.assignments["db-id"]
     assert back_to_4.cpus == first | CPUSet(grown.added[:2])  # the two added last went
-    original = eng.resize(state, wl("db", 2000)).state.assignments["db-id"]
+    original = eng.resize(state, workload(2000, name="db")).state.assignments["db-id"]
     assert original.cpus == first and original.added == ()
     # Below the first set: a compact part of it.
-    smaller = eng.resize(state, wl("db", 1000)).state.assignments["db-id"]
+    smaller = eng.resize(state, workload(1000, name="db")).state.assignments["db-id"]
     assert len(smaller.cpus) == 1 and smaller.cpus <= first
 
 
 def test_resized_assignment_survives_the_state_document():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
-    state = eng.resize(place(eng, ("db", 2000)), wl("db", 4000)).state
+    state = eng.resize(place(eng, ("db", 2000)), workload(4000, name="db")).state
     assert decode(encode(state)) == state
     # Never resized: the document keeps the bytes it had before these fields existed.
     plain = place(eng, ("db", 2000))
@@ -114,17 +102,17 @@ def test_exclusive_to_shared_and_back():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
     state = place(eng, ("db", 2000))
     held = state.assignments["db-id"].cpus
-    shared = eng.resize(state, wl("db", 1500))  # 2 -> 1500m: no longer whole CPUs
+    shared = eng.resize(state, workload(1500, name="db"))  # 2 -> 1500m: no longer whole CPUs
     assert "db-id" not in shared.state.assignments and "db-id" in shared.state.sharing
     assert held <= shared.state.shared
     assert shared.targets[0].cpus == shared.state.shared and not shared.targets[0].exclusive
     # Its memory nodes were those of its CPUs (NUMA 0): they go back to its parent's.
     assert shared.targets[0].mems_from_parent
-    back = eng.resize(shared.state, wl("db", 2000))  # 1500m -> 2: placed like a new one
+    back = eng.resize(shared.state, workload(2000, name="db"))  # 1500m -> 2: placed like a new one
     assert back.decision.exclusive and len(back.decision.cpus) == 2
     assert back.targets[0].mems == P("0") and not back.targets[0].mems_from_parent
     # A shared container that stays shared keeps its memory nodes as they are.
-    again = eng.resize(shared.state, wl("db", 1200))
+    again = eng.resize(shared.state, workload(1200, name="db"))
     assert not any(t.mems_from_parent for t in again.targets)
     assert "db-id" not in back.state.sharing
 
@@ -132,7 +120,7 @@ def test_exclusive_to_shared_and_back():
 def test_a_limit_that_leaves_the_request_makes_it_share():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
     state = place(eng, ("db", 2000))
-    outcome = eng.resize(state, wl("db", 2000, limit=4000))  # Burstable-shaped
+    outcome = eng.resize(state, workload(2000, name="db", limit=4000))  # Burstable-shaped
     assert "db-id" in outcome.state.sharing
     assert "Burstable-shaped" in outcome.decision.reason
 
@@ -141,7 +129,7 @@ def test_infeasible_growth_is_refused_and_changes_nothing():
     eng = engine("single-socket-no-smt", "0")  # 8 CPUs, no SMT
     state = place(eng, ("db", 2000), ("other", 4000))
     with pytest.raises(PolicyError) as info:
-        eng.resize(state, wl("db", 4000))
+        eng.resize(state, workload(4000, name="db"))
     message = str(info.value)
     assert "asks to grow from 2 to 4" in message and "free for exclusive use" in message
     assert "nothing changed" in message
@@ -150,8 +138,8 @@ def test_infeasible_growth_is_refused_and_changes_nothing():
 def test_a_container_we_do_not_place_or_an_unchanged_request():
     eng = engine("xeon-e5-2680v3-2s", "0,24")
     state = place(eng, ("db", 2000))
-    assert eng.resize(state, wl("stranger", 2000)).targets == ()
-    same = eng.resize(state, wl("db", 2000))
+    assert eng.resize(state, workload(2000, name="stranger")).targets == ()
+    same = eng.resize(state, workload(2000, name="db"))
     assert same.state is state and same.events == () and same.targets[0].container_id == "db-id"
-    web = eng.resize(state, wl("web", 700, BURSTABLE))  # still shared: re-asserted
+    web = eng.resize(state, workload(700, BURSTABLE, name="web"))  # still shared: re-asserted
     assert web.state is state and web.targets[0].cpus == state.shared

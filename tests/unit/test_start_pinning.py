@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from daemon_driver import Records
+from builders import container, guaranteed_pod, pod
+from daemon_driver import Records, on_disk
 from fake_cgroup_v2 import FakeV2, on_generated_node
-from nri_messages import container, guaranteed_pod, pod
-from test_deadline import on_disk
 
 from nri_cpuplugin.core.policy import PolicyError
 from nri_cpuplugin.daemon.service import Daemon

@@ -88,7 +88,7 @@ def test_ttrpc_oversized_body_is_skipped_not_buffered():
     big = struct.pack(">IIBB", 5000, 3, 1, 0)
     events = decoder.feed(big + b"x" * 1000)
     assert events == [ttrpc.Oversized(3, 1, 5000)]
-    assert len(decoder._buffer) == 0  # nothing of the body is kept
+    assert decoder.buffered == 0  # nothing of the body is kept
     events = decoder.feed(b"y" * 4000 + ttrpc.encode_header(5, 1, 2) + b"ok")
     assert events == [ttrpc.Message(5, 1, 0, b"ok")]
 
@@ -186,7 +186,7 @@ def test_arbitrary_bytes_raise_only_protocol_errors(data, cuts):
     except ProtocolError:
         return
     # Whatever is pending is bounded by what a frame may declare, never more than was fed.
-    assert conn._mux.buffered <= len(data)
+    assert conn.buffered <= len(data)
 
 
 @settings(max_examples=300)
