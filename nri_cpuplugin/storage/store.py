@@ -2,19 +2,17 @@
 
 Why it is built this way:
 
-* A commit replaces ``state.json`` atomically and durably (``base.files.write_atomic``: temp
-  file, fsync, rename, fsync of the directory), so a crash at any instant leaves either the old
-  or the new document on disk, never a mix.
+* A commit replaces ``state.json`` atomically and durably (``base.files.write_atomic``), so a
+  crash at any instant leaves the old or the new document on disk, never a mix.
 * Writers are serialised by the state lock (``storage/lock.py``) on ``state.lock``, a separate
   file that is never replaced.
 * Every name is opened relative to the state directory's handle, without following links; the
   directory itself must belong to us and be writable by nobody else, or nothing is used.
-* ``load`` never raises.  A plugin that refuses to start because its cache is damaged would
-  block every pod on the node; instead a bad or mismatched file is moved aside (kept for
-  forensics), the problem is reported in one sentence with a reason code, and the caller
-  rebuilds from runtime truth.
-* ``peek`` reads without the lock and never moves anything, so ``status`` can run next to a
-  live daemon: commits are atomic renames, so a reader sees one whole document or the other.
+* ``load`` never raises: a plugin that refuses to start over a damaged cache would block every
+  pod on the node.  A bad or mismatched file is moved aside (kept for forensics), reported in
+  one sentence with a reason code, and the caller rebuilds from runtime truth.
+* ``peek`` reads without the lock and moves nothing, so ``status`` can run next to a live
+  daemon: commits are atomic renames, a reader sees one whole document or the other.
 """
 
 from __future__ import annotations
