@@ -39,8 +39,7 @@ STATE_FILE = "state.json"
 QUARANTINE_PREFIX = "state.json.bad-"
 # Enough history to compare a few bad files, bounded so a crash loop cannot fill the disk.
 QUARANTINE_KEEP = 10
-# A real document is tens of KiB even on a large node; anything beyond this is not ours, and
-# reading it would only waste memory (or never end, for a device).
+# A real document is tens of KiB on a large node; a bigger file (or a device) is not ours.
 MAX_STATE_BYTES = 64 * 1024 * 1024
 
 # LoadResult.code values: why there is no trusted state.
