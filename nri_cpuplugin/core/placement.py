@@ -46,14 +46,14 @@ def choose(
     (``sources``) that has room, near its NICs (``near``: their nodes' CPUs) when it has any.
     ``free``: what a new exclusive assignment may take, ``unavailable`` already left out."""
     free, options = sources(state, workload, count, isolated, free, unavailable)
-    local = nic is not None and bool(nic.nodes) and near is not None
-    if local:
-        options = near_nics(options, nic, near)
+    nearby = (nic, near) if nic is not None and nic.nodes and near is not None else None
+    if nearby is not None:
+        options = near_nics(options, *nearby)
     chosen, last_error = first_fit(allocator, options, free, count)
     if chosen is not None:
         return chosen
-    if local and nic.strict:
-        raise no_room_near_nics(workload, count, isolated, free, nic, near)
+    if nearby is not None and nearby[0].strict:
+        raise no_room_near_nics(workload, count, isolated, free, *nearby)
     pool = "isolated CPUs" if isolated else "CPUs"
     reason = last_error or f"cannot allocate {count} CPUs: only {len(free)} available"
     raise PolicyError(

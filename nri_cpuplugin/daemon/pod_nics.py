@@ -80,7 +80,9 @@ class PodNICs:
                 del self._reads[next(iter(self._reads))]
         self._queue.put(read)
 
-    def lister_for(self, sandbox_id: str, netns: str | None) -> Callable[[str], Listing] | None:
+    def lister_for(
+        self, sandbox_id: str, netns: str | None
+    ) -> Callable[[str | None], Listing] | None:
         """A ``lister`` for nic.locality that gives what was read for the pod (waiting up to
         WAIT for a read still running) or raises as the read did; None when nothing was read
         for this namespace (None: the host's) or the read failed unexpectedly: the caller
@@ -99,7 +101,7 @@ class PodNICs:
         else:
             return None
 
-        def failed(_netns: str) -> Listing:
+        def failed(_netns: str | None) -> Listing:
             raise netns_links.NICError(error)
 
         return failed
