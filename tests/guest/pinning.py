@@ -252,7 +252,7 @@ def _set_property(scope: str, assignment: str, timeout: float = 30.0) -> dict[st
 
 
 def churn_under_reloads(
-    address: str, reloads: int = 5, keep_shared: int = 2, pause: float = 4.0
+    address: str, reloads: int = 3, keep_shared: int = 2, pause: float = 4.0
 ) -> dict[str, Any]:
     """A 2-CPU Guaranteed pod pinned, then pod churn (Burstable pods started and removed, a
     1-CPU Guaranteed pod started and removed every other round) while ``reloads`` x
