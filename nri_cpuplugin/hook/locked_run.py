@@ -229,9 +229,11 @@ class LockedRun:
                 self.store.commit(view.observed.state)
                 self.records.remove(dir_fd, [placed.workload.container_id])
             raise HookFailure(str(err)) from None
-        changes = units.scope_changes(fs, plan)
-        settings = self.settings
-        return written, units.tell_systemd(changes, settings.systemd_bus, settings.unit_files_root)
+        changes, exclusive = units.scope_changes(fs, plan)
+        new = placed.cgroups.cpuset.rsplit("/", 1)[-1] if placed is not None else ""
+        s = self.settings
+        told = units.tell_systemd(changes, s.systemd_bus, s.unit_files_root, exclusive, new)
+        return written, told
 
     def _forget_records(
         self, dir_fd: int, view: View, state: NodeState, targets: Mapping[str, Record]

@@ -25,14 +25,20 @@ if TYPE_CHECKING:
     from ..hardware.systemd.handover import Change
 
 
-def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list[Change]:
-    """(unit, CPUs, memory nodes or None) of the written containers whose cgroup is a scope."""
-    changes = []
+def scope_changes(
+    fs: CgroupFS, placed: Iterable[tuple[Record, Target]]
+) -> tuple[list[Change], frozenset[str]]:
+    """(unit, CPUs, memory nodes or None) of the written containers whose cgroup is a scope,
+    and the units of those among them that hold exclusive CPUs."""
+    changes: list[Change] = []
+    exclusive = set()
     for record, target in placed:
         path = record.cgroups.cpuset
         unit = path.rsplit("/", 1)[-1]
         if not unit.endswith(".scope"):
             continue
+        if target.exclusive:
+            exclusive.add(unit)
         mems = target.mems
         if mems is None and target.mems_from_parent:
             try:  # what the container got back: its pod's memory nodes, as a list
@@ -40,20 +46,27 @@ def scope_changes(fs: CgroupFS, placed: Iterable[tuple[Record, Target]]) -> list
             except CgroupError:
                 mems = None
         changes.append((unit, target.cpus, mems or None))
-    return changes
+    return changes, frozenset(exclusive)
 
 
-def tell_systemd(changes: list[Change], setting: str, root: str) -> list[str]:
+def tell_systemd(
+    changes: list[Change], setting: str, root: str, exclusive: frozenset[str], new: str = ""
+) -> list[str]:
     """Hand the changed units over (hardware/systemd/handover.py), reading their configuration
     below ``root``; one line per unit systemd did not take (or why none could be), for the
-    audit trail."""
+    audit trail.  The ``exclusive`` units (containers that hold their CPUs) are set and kept,
+    as the runtime keeps a scope created with a cpuset on the NRI path, so that systemd's view
+    of a pinned container is the kernel's: once, when ``new`` (the container placed now) or
+    while their configuration holds no cpuset, since their CPUs do not change while they run."""
     if not changes:
         return []
     from ..hardware.systemd import handover
     from ..hardware.systemd import units as su
 
     try:
-        asked = [c for c in changes if handover.asks_systemd(su.check_unit_name(c[0]), root)]
+        for unit, _, _ in changes:
+            su.check_unit_name(unit)  # a unit name becomes a path and a D-Bus object path
+        asked = [c for c in changes if _asked(c[0], root, exclusive, new)]
     except su.SystemdError as err:
         return [str(err)]
     if not asked:
@@ -65,7 +78,14 @@ def tell_systemd(changes: list[Change], setting: str, root: str) -> list[str]:
 
     try:
         with SystemdClient(path) as client:
-            results = handover.hand_over(client, asked, handover.TIMEOUT)
+            results = handover.hand_over(client, asked, handover.TIMEOUT, keep=exclusive)
     except su.SystemdError as err:
         return [str(err)]
     return [f"{r.unit}: {r.error}" for r in results if not r.ok]
+
+
+def _asked(unit: str, root: str, exclusive: frozenset[str], new: str) -> bool:
+    from ..hardware.systemd import handover
+
+    held = handover.asks_systemd(unit, root)  # holds a cpuset, or cannot be read
+    return (unit == new or not held) if unit in exclusive else held

@@ -494,11 +494,12 @@ def test_the_hook_keeps_its_cpusets_in_the_scopes_properties(tmp_path, systemd):
     units: dict[str, list] = {}
     for call in fake_systemd.calls():
         units.setdefault(call["unit"], []).append(call["properties"])
-    # No unit files to be seen here: each scope is taken as holding a cpuset, so it is set to
-    # what its files were given, then released (hardware/systemd/handover.py).
+    # No unit files to be seen here: each shared scope is taken as holding a cpuset, so it is
+    # set to what its files were given, then released (hardware/systemd/handover.py); the new
+    # exclusive container's scope is set and kept, as the runtime keeps one created with a
+    # cpuset: systemd's view of a pinned container is the kernel's.
     assert units["crio-pg.scope"] == [
         [["AllowedCPUs", "ay", "02000002"], ["AllowedMemoryNodes", "ay", "01"]],
-        RELEASE,
     ]
     assert cpus_of(units["crio-nginx.scope"][-2]) == set(range(48)) - {1, 25}
     assert units["crio-nginx.scope"][-1] == RELEASE
@@ -524,8 +525,9 @@ def systemd_keeps(fake_systemd: FakeSystemd, root, seen: int) -> int:
 def test_the_hook_asks_systemd_nothing_for_scopes_handed_over(tmp_path, systemd, shared):
     """Scopes created holding a cpuset (runc's unit file with AllowedCPUs): each is handed over
     the first time the hook writes it; from then on an exclusive start makes the new
-    container's calls only, none per shared scope, and every shared scope is still kept off
-    the exclusive CPUs (written to its cgroup files)."""
+    container's one call only (its scope set and kept), none per shared scope and none for
+    the exclusive ones placed before, and every shared scope is still kept off the exclusive
+    CPUs (written to its cgroup files)."""
     bus, fake_systemd = systemd
     node = HookNode(tmp_path, bus.socket)
     root = node.sysfs.parent  # the unit files' root: the directory above sysfs
@@ -551,22 +553,28 @@ def test_the_hook_asks_systemd_nothing_for_scopes_handed_over(tmp_path, systemd,
         calls = fake_systemd.calls()[seen:]
         calls_per_start.append([(c["unit"], c["properties"] == RELEASE) for c in calls])
         seen = systemd_keeps(fake_systemd, root, seen)
-    # The new container's own scope: set, then released; no shared scope is asked.
-    assert calls_per_start == [
-        [(f"crio-pg{n}.scope", False), (f"crio-pg{n}.scope", True)] for n in range(2)
-    ]
+    # The new container's own scope, set and kept; no shared scope is asked, nor pg0 again.
+    assert calls_per_start == [[(f"crio-pg{n}.scope", False)] for n in range(2)]
 
 
 def test_the_hook_asks_systemd_nothing_for_scopes_that_hold_no_cpuset(tmp_path, systemd):
-    """A scope created with no cpuset in its spec (CRI-O's usual) is bare from the start."""
+    """A scope created with no cpuset in its spec (CRI-O's usual) is bare from the start: a
+    shared one is never asked; the new exclusive container's is set once and kept."""
     bus, fake_systemd = systemd
     node = HookNode(tmp_path, bus.socket)
     transient = node.sysfs.parent / "run" / "systemd" / "transient"
     transient.mkdir(parents=True)
-    (transient / "crio-pg.scope").write_text("[Scope]\nDelegate=yes\n")
+    for unit in ("crio-nginx.scope", "crio-pg.scope"):
+        (transient / unit).write_text("[Scope]\nDelegate=yes\n")
+    web = node.container("nginx", "kubepods-burstable-podweb.slice", 500, "web", effective="0-47")
+    assert node.hook("nginx") == 0, node.err.getvalue()
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text(POOL)
     node.container("pg", "kubepods-poddb.slice", 2000, "db", effective="1,25", mems_effective="0")
     assert node.hook("pg") == 0, node.err.getvalue()
-    assert fake_systemd.calls() == []
+    assert node.fake.read(web, "cpuset.cpus") == POOL
+    assert [(c["unit"], c["properties"] == RELEASE) for c in fake_systemd.calls()] == [
+        ("crio-pg.scope", False)
+    ]
 
 
 def test_the_hook_says_when_systemd_did_not_take_a_cpuset(tmp_path, systemd):

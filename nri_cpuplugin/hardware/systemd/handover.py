@@ -38,6 +38,7 @@ TIMEOUT = 0.1
 # The releases that follow a batch's sets share its wait; this much more at least, to send them.
 SEND = 0.02
 NONE = CPUSet()  # a release: both sets empty (units.py masks)
+NO_UNITS: frozenset[str] = frozenset()
 
 
 def asks_systemd(unit: str, root: str) -> bool:
@@ -58,13 +59,16 @@ def releasable(result: UnitResult) -> bool:
     return result.outcome in (SET, PENDING)
 
 
-def hand_over(client: SystemdClient, changes: list[Change], timeout: float) -> list[UnitResult]:
-    """Set each unit's cpuset, then release those set (or on their way), one connection and
-    one wait of ``timeout`` for both; the result of each set, in order.  For a process that
-    asks once (the hook): the daemon follows its calls up (daemon/units.py)."""
+def hand_over(
+    client: SystemdClient, changes: list[Change], timeout: float, keep: frozenset[str] = NO_UNITS
+) -> list[UnitResult]:
+    """Set each unit's cpuset, then release those set (or on their way) but the ``keep``
+    ones, one connection and one wait of ``timeout`` for both; the result of each set, in
+    order.  For a process that asks once (the hook): the daemon follows its calls up
+    (daemon/units.py)."""
     deadline = time.monotonic() + timeout
     results = client.set_allowed(changes, timeout)
-    done = [r.unit for r in results if releasable(r)]
+    done = [r.unit for r in results if releasable(r) and r.unit not in keep]
     if done:
         client.set_allowed(releases(done), max(deadline - time.monotonic(), SEND))
     return results
