@@ -73,11 +73,12 @@ def test_daemon_pins_a_guaranteed_pod_on_one_core(
     node.start_daemon()
     print(f"daemon synchronized in {time.monotonic() - started:.1f} s")
     _check_pinned_on_one_core(guest, on_runtime)
-    records = node.daemon_records("allocate")
+    # This daemon's records only (an earlier test's daemon is not judged here).
+    records = node.daemon_records("allocate", after=node.started_at)
     assert records, "the daemon's audit trail in the journal names the allocation"
     # The runtime's NRI timeouts are raised under TCG (guest_runtimes.py); the daemon's own
     # request budget is not, and must still hold.
-    missed = [r["MESSAGE"] for r in node.daemon_records("deadline")]
+    missed = [r["MESSAGE"] for r in node.daemon_records("deadline", after=node.started_at)]
     assert not missed, f"the daemon missed its own request budget: {missed}"
 
 

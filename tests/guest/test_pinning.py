@@ -147,7 +147,8 @@ def test_unit_files_hidden_fail_safe_through_reexec_and_churn(
         facts = _call(
             guest, "churn_under_reloads", address=daemon_node.cri_socket, timeout=1500, reloads=2
         )
-        said = [r for r in node.daemon_records("systemd") if r.get("REASON") == "unit-files"]
+        records = node.daemon_records("systemd", after=node.started_at)
+        said = [r for r in records if r.get("REASON") == "unit-files"]
     finally:
         guest.run(["rm", "-f", HIDING_DROP_IN], timeout=60)
         guest.check(["systemctl", "daemon-reload"], timeout=120)

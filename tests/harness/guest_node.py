@@ -46,6 +46,7 @@ class GuestNode:
         self.runtimes = runtimes(guest.lab, self.nri, runc or oci.runc, oci.crun)
         self.current: GuestRuntime | None = None
         self.daemon_running = False  # started by start_daemon(), not stopped since
+        self.started_at = ""  # the journal's cursor before the last start_daemon()
         self._installed = False
         self._images: set[str] = set()
 
@@ -200,10 +201,12 @@ ExecStart=/usr/bin/python3 -m nri_cpuplugin.cli run --config /etc/nri-cpuplugin/
         )
 
     def start_daemon(self, timeout: float = 300.0) -> None:
-        """(Re)start the daemon with an empty state directory; wait for its Synchronize."""
+        """(Re)start the daemon with an empty state directory; wait for its Synchronize.
+        ``started_at``: the journal's cursor before the start, for a test to judge only the
+        records of this daemon (``daemon_records(after=...)``)."""
         self.install()
         self.stop_daemon()
-        cursor = self._journal_cursor()
+        self.started_at = cursor = self._journal_cursor()
         # Type=notify: systemctl returns once the daemon registered with the runtime.
         started = self.guest.run(
             ["systemctl", "start", DAEMON_UNIT], timeout=DAEMON_START_TIMEOUT + 60
