@@ -27,7 +27,7 @@ REQUEST = "settings cpus "
 @contextmanager
 def short_root() -> Iterator[Path]:
     """A fresh directory with a short path (removed afterwards)."""
-    root = tempfile.mkdtemp(prefix="irqb-", dir="/tmp")
+    root = tempfile.mkdtemp(prefix="irqb-")  # the system temp dir: short, unlike pytest's
     try:
         yield Path(root)
     finally:
