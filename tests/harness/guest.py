@@ -131,7 +131,7 @@ class Guest:
         shares, python_path = _shares(lab, results)
         if own_builds is not None:  # before the host's site-packages (its cp311 builds)
             python_path.insert(2, str(own_builds))
-        vm = VM(image, shares, lab=lab, token=token, tcg_threads=recipe.tcg_threads)
+        vm = VM(image, shares, lab=lab, token=token)
         say(f"guest accelerator: {vm.accel_reason}")
         channel = None
         try:

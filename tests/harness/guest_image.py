@@ -112,15 +112,12 @@ TRIXIE_PINNED = (
 @dataclass(frozen=True)
 class Recipe:
     """One suite's image: the packages pinned by version and SHA256, the kernel to boot, and
-    the minor version of the suite's python3 (the guest runs the tests' code with it).
-    ``tcg_threads``: how QEMU runs the virtual CPUs under TCG (guest_vm.py) - not part of the
-    image, so not of its key."""
+    the minor version of the suite's python3 (the guest runs the tests' code with it)."""
 
     suite: str
     kernel_release: str
     pinned: tuple[Deb, ...]
     python: str
-    tcg_threads: str = "multi"
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -128,11 +125,7 @@ class Recipe:
 
 
 BOOKWORM = Recipe("bookworm", KERNEL_RELEASE, PINNED, "3.11")
-# Kernel 6.12 under multi-threaded TCG (QEMU 7.2) was seen to oops at boot: a virtual CPU
-# woken from HLT ran an int3 of a finished text patch (the static key flipped by "sched_clock:
-# Marking stable"; "Oops: int3" in sched_clock_idle_wakeup_event), 1 boot of 2.  With every
-# virtual CPU on one host thread, code another CPU patched is never run stale.
-TRIXIE = Recipe("trixie", TRIXIE_KERNEL_RELEASE, TRIXIE_PINNED, "3.13", tcg_threads="single")
+TRIXIE = Recipe("trixie", TRIXIE_KERNEL_RELEASE, TRIXIE_PINNED, "3.13")
 RECIPES = {r.suite: r for r in (BOOKWORM, TRIXIE)}
 # Bump when the tree or image layout made here changes without the constants above changing.
 FORMAT = 1

@@ -9,6 +9,12 @@ own memory, on q35.  Facts measured on the project's machines:
   ``vendor=GenuineIntel`` (the AMD topology leaves of TCG's ``max`` are not enough);
 * without ``-monitor`` (the CPU's MONITOR/MWAIT flag off) the guest hangs after
   "sched_clock: Marking stable" under TCG;
+* QEMU 7.2's multi-threaded TCG (a host thread per virtual CPU) runs code that another virtual
+  CPU has just patched stale.  The kernel patches its text whenever a static key flips, first at
+  "sched_clock: Marking stable": kernel 6.12 oopsed there ("Oops: int3" in
+  sched_clock_idle_wakeup_event, 1 boot of 2) and kernel 6.1 hung there for the 900 s boot
+  budget (once in a CI run).  All virtual CPUs therefore run on one host thread
+  (``thread=single``), where patched code is never run stale;
 * ``/dev/kvm`` may exist without hardware virtualisation (a nested or emulated host): KVM is
   used only when the host CPU has ``vmx`` or ``svm`` and ``/dev/kvm`` opens, TCG otherwise.
 
@@ -121,12 +127,8 @@ class VM:
         *,
         lab: Path = debs.LAB,
         token: str | None = None,
-        tcg_threads: str = "multi",
     ) -> None:
-        """``tcg_threads``: ``multi`` (a host thread per virtual CPU) or ``single`` (one for
-        all of them), under TCG (guest_image.Recipe.tcg_threads says why a kernel needs it)."""
         self.image = image
-        self.tcg_threads = tcg_threads
         self.shares = shares
         self.lab = lab
         self.token = token or secrets.token_hex(4)
@@ -157,7 +159,7 @@ class VM:
     def command(self) -> list[str]:
         qemu = str(host_tools.ensure("qemu-system-x86_64", lab=self.lab)["qemu-system-x86_64"])
         # TCG: one host thread per virtual CPU (x86 on x86 is safe for multi-threaded TCG).
-        accel = ["-accel", "kvm" if self.accel == "kvm" else f"tcg,thread={self.tcg_threads}"]
+        accel = ["-accel", "kvm" if self.accel == "kvm" else "tcg,thread=single"]
         numa: list[str] = []
         for node in range(SOCKETS):
             numa += [
