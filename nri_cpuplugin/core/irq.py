@@ -89,15 +89,22 @@ def while_writing(
     plan: IrqPlan,
     pending: Iterable[int],
     refused: Iterable[int] = (),
+    unwritten: Iterable[int] = (),
 ) -> dict[int, IrqRecord]:
     """What the records must say while the writes to ``pending`` interrupts are not all made
     (a crash leaves each of them written or not): for each, what was taken before its write
     and what is after it; for the rest, the plan's (``refused``: written in vain, the kernel
-    manages them: nothing taken).  Committed before the first write, it lets the next run
+    manages them: nothing taken; ``unwritten``: not written, /proc/irq being read-only: what
+    was taken before still is).  Committed before the first write, it lets the next run
     give back exactly what was taken, wherever the writes stopped."""
     records = dict(plan.records)
     for number in refused:
         records.pop(number, None)
+    for number in unwritten:
+        if (old := before.get(number)) is None:
+            records.pop(number, None)
+        else:
+            records[number] = old
     for number in pending:
         old, new = before.get(number), records.get(number)
         if old is None:

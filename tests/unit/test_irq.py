@@ -141,6 +141,34 @@ def test_a_pod_that_asks_has_its_cpus_kept_free_and_given_back(node, monkeypatch
     assert not driver.on_disk().irqs
 
 
+@pytest.fixture
+def read_only(node):
+    """The generated /proc/irq bind-mounted read-only over itself, as a container's is."""
+    irq = str(node[1] / "irq")
+    subprocess.run(["mount", "--bind", irq, irq], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", irq], check=True)
+        yield node
+    finally:
+        subprocess.run(["umount", irq], check=True)
+
+
+def test_a_read_only_proc_irq_is_a_warning_that_names_the_fix_not_managed_interrupts(read_only):
+    driver, proc = read_only
+    db = pod("db")
+    db.annotations["irq-free.nri-cpuplugin.io"] = "true"
+    adjust, _ = driver.create_container(db, container("pg", db, 2000))
+    assert len(P(adjust.linux.resources.cpu.cpus)) == 2  # pinned all the same
+    assert affinity(proc, 24) == "0-7"
+    [record] = driver.records.of("irq")
+    assert (record["PRIORITY"], record["NARROWED"], record["MANAGED"]) == ("4", "0", "0")
+    assert record["FAILED"] == "3"  # 24, 25 and the default, not written
+    assert record["MESSAGE"].startswith("interrupts not kept off CPUs 2-3: cannot write")
+    assert "/proc/irq is read-only here" in record["MESSAGE"]
+    assert "docs/operator-guide.md section 5" in record["MESSAGE"]
+    assert not driver.on_disk().irqs  # nothing recorded as taken
+
+
 def test_a_pod_that_does_not_ask_leaves_the_interrupts_alone(node):
     driver, proc = node
     db = pod("db")

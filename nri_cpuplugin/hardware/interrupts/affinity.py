@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 # The largest /proc/interrupts (or mask file) read: a node with thousands of interrupts and
 # hundreds of CPUs stays far below it.
 MAX_READ = 16 << 20
-REFUSED = (errno.EIO, errno.EPERM, errno.EACCES, errno.EROFS)
+# How the kernel refuses one interrupt (managed, per-CPU): EIO, EPERM from kernel 6.12, whose
+# files of such interrupts are 0444 (EACCES without CAP_DAC_OVERRIDE, as in a container).
+REFUSED = (errno.EIO, errno.EPERM, errno.EACCES)
 
 
 class IrqError(PluginError):
@@ -41,6 +43,11 @@ class IrqError(PluginError):
 
 class Refused(IrqError):
     """The kernel does not let anyone change this interrupt's affinity (managed, per-CPU)."""
+
+
+class ReadOnly(IrqError):
+    """/proc/irq is mounted read-only here (a container's default, a sandbox's
+    ProtectKernelTunables=): no interrupt's affinity can change, whatever the kernel allows."""
 
 
 def interrupts(proc: str = "/proc") -> list[Irq]:
@@ -170,6 +177,12 @@ def _groups(path: str) -> int:
 
 
 def _raise(err: OSError, path: str, cpus: CPUSet) -> NoReturn:
+    if err.errno == errno.EROFS:
+        raise ReadOnly(
+            f"cannot write {path}: /proc/irq is read-only here, so no interrupt can be moved. "
+            "Run the plugin where it is writable (the DaemonSet's interrupts overlay, the "
+            "unit's irq.conf drop-in: docs/operator-guide.md section 5)"
+        ) from None
     if err.errno in REFUSED:
         raise Refused(
             f"{path}: the kernel does not let its affinity change ({err.strerror}): a managed "

@@ -7,7 +7,8 @@ writes are made: a crash in between leaves records that the next run finds and c
 never a CPU taken that nobody gives back.  ``keep_free`` does it all in one go (the OCI hook);
 ``Pass`` in steps (the daemon, between the runtime's requests: daemon/irq_upkeep.py).
 Interrupts the kernel refuses to move (managed ones) are left alone, counted, and not tried
-again.
+again.  A read-only /proc/irq (a container's) ends the pass at its first write: nothing is
+taken, and the warning says where the plugin must run instead.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Pass:
         self.pending: deque[tuple[int, CPUSet]] = deque()
         self.names: dict[int, str] = {}
         self.refused: set[tuple[int, str]] = set()
+        self.unwritten: list[int] = []  # not written: /proc/irq is read-only
+        self.read_only: str | None = None  # why, once seen
         self.failed: list[str] = []
         self.notes: list[str | None] = []
 
@@ -119,7 +122,8 @@ class Pass:
     def recording(self) -> dict[int, IrqRecord]:
         """What the state must record while the writes not made yet are pending."""
         refused = (n for n, _ in self.refused)
-        return plan_irq.while_writing(self.before, self.plan, (n for n, _ in self.pending), refused)
+        pending = (n for n, _ in self.pending)
+        return plan_irq.while_writing(self.before, self.plan, pending, refused, self.unwritten)
 
     def ban(self) -> None:
         if self.keep:
@@ -141,6 +145,10 @@ class Pass:
                 affinity.write(self.roots.proc, number, cpus)
             except affinity.Refused:
                 self.refused.add((number, self.names.get(number, "")))
+            except affinity.ReadOnly as err:
+                self.read_only = str(err)
+                self.unwritten += [number, *(n for n, _ in self.pending)]
+                self.pending.clear()
             except affinity.IrqError as err:
                 self.failed.append(str(err))
             if enough():
@@ -153,7 +161,10 @@ class Pass:
         if not self.keep:
             self.notes.append(_ban(self.roots, self.keep))
         refused = frozenset(self.refused)
-        events = _events(self.keep, self.plan, refused, self.failed, self.notes)
+        if self.read_only is not None:
+            events = (_unmoved(self.keep, self.read_only, len(self.unwritten), self.notes),)
+        else:
+            events = _events(self.keep, self.plan, refused, self.failed, self.notes)
         return Kept(records, self.unchangeable | refused, events)
 
 
@@ -227,6 +238,13 @@ def _events(
             failed=len(failed),
         ),
     )
+
+
+def _unmoved(keep: CPUSet, why: str, count: int, notes: list[str | None]) -> AuditEvent:
+    message = f"interrupts not kept off CPUs {keep or 'none'}: {why}" + "".join(
+        f"; {note}" for note in notes if note
+    )
+    return _event(message, WARNING, cpus=keep, narrowed=0, restored=0, managed=0, failed=count)
 
 
 def _event(message: str, priority: int, **fields: object) -> AuditEvent:
