@@ -424,3 +424,11 @@ def write_fake_device(
         link.unlink()
     os.symlink(os.path.relpath(device, link_dir), link)
     return device
+
+
+def mirror_with_nic(directory: Path, bus: str, device: str, numa_node: int) -> Path:
+    """This machine's CPUs (0-1 on one NUMA node, so a runtime can apply the cpusets placed on
+    it) with its NIC's ``bus``/``device`` FAKED onto ``numa_node``; the tree's root."""
+    root = write_sysfs(MachineSpec(name="this-vm", cores_per_socket=2), directory)
+    write_fake_device(root, bus, device, numa_node, parent="fake-0000:00:03.0")
+    return root

@@ -12,23 +12,30 @@ container is killed and restarted (as kubelet restarts it) the pinned pod is not
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import host
+from harness import cni, host
 from harness.containerd import Containerd
+from harness.cri import CRIError
 from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
-from harness.kubelet_pod import DaemonSetPod
+from harness.kubelet_pod import DaemonSetPod, patched
+from netns_util import NETNS_DIR, host_nic
 from product_image import cached
+from sysfs_gen import mirror_with_nic
 
 from e2e.daemon import wait_for
+from nri_cpuplugin.hardware import nic
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "packaging/kubernetes/daemonset.yaml"
+NODE_FEATURES = REPO / "packaging/kubernetes/node-features.yaml"
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 
 pytestmark = pytest.mark.parametrize("containerd_version", ["2.1", "2.3"], indirect=True)
@@ -48,21 +55,29 @@ def journal(tmp_path: Path) -> Iterator[PrivateJournal]:
         yield j
 
 
+def kubelet_checkpoint(path: Path, policy: str) -> Path:
+    """kubelet's CPU manager checkpoint as kubelet writes it at its start (FAKE: no kubelet)."""
+    path.write_text(json.dumps({"policyName": policy, "defaultCpuSet": "", "checksum": 1}))
+    return path
+
+
+def host_paths(containerd: Containerd, tmp_path: Path, policy: str = "none") -> dict[str, Path]:
+    """The manifest's hostPath volumes that are the test's own on this machine."""
+    return {
+        "/var/run/nri": containerd.nri_socket.parent,
+        "/var/lib/nri-cpuplugin": tmp_path / "state",
+        "/run/systemd": tmp_path / "run-systemd",
+        "/etc/systemd": tmp_path / "etc-systemd",
+        "/var/lib/kubelet/cpu_manager_state": kubelet_checkpoint(tmp_path / "cpu-manager", policy),
+    }
+
+
 @pytest.fixture
 def plugin_pod(
     containerd: Containerd, journal: PrivateJournal, tmp_path: Path
 ) -> Iterator[DaemonSetPod]:
-    pod = DaemonSetPod(
-        containerd.cri(),
-        MANIFEST,
-        tmp_path / "kubelet",
-        host_paths={
-            "/var/run/nri": containerd.nri_socket.parent,
-            "/var/lib/nri-cpuplugin": tmp_path / "state",
-            "/run/systemd": tmp_path / "run-systemd",
-            "/etc/systemd": tmp_path / "etc-systemd",
-        },
-    )
+    paths = host_paths(containerd, tmp_path)
+    pod = DaemonSetPod(containerd.cri(), MANIFEST, tmp_path / "kubelet", host_paths=paths)
     yield pod
     pod.delete(grace=2)
 
@@ -114,17 +129,8 @@ def test_the_probes_say_ready_only_once_the_plugin_is_registered(
     but not ready while the runtime's socket is absent, ready once it is there."""
     later = containerd.short_dir / "nri-later"  # the socket's filesystem: linked here below
     later.mkdir()
-    pod = DaemonSetPod(
-        containerd.cri(),
-        MANIFEST,
-        tmp_path / "kubelet",
-        host_paths={
-            "/var/run/nri": later,
-            "/var/lib/nri-cpuplugin": tmp_path / "state",
-            "/run/systemd": tmp_path / "run-systemd",
-            "/etc/systemd": tmp_path / "etc-systemd",
-        },
-    )
+    paths = {**host_paths(containerd, tmp_path), "/var/run/nri": later}
+    pod = DaemonSetPod(containerd.cri(), MANIFEST, tmp_path / "kubelet", host_paths=paths)
     try:
         pod.start()
         wait_for("the startup probe to pass", lambda: pod.probe("startupProbe") == 0, 60)
@@ -135,3 +141,86 @@ def test_the_probes_say_ready_only_once_the_plugin_is_registered(
         assert pod.probe("livenessProbe") == 0
     finally:
         pod.delete(grace=2)
+
+
+def test_the_daemonset_pod_refuses_a_node_whose_kubelet_runs_the_static_policy(
+    containerd: Containerd, journal: PrivateJournal, tmp_path: Path
+) -> None:
+    """The manifest mounts kubelet's checkpoint: on a node where kubelet's static CPU manager
+    owns the CPUs the plugin exits 2 at its start, saying how to migrate, and never registers."""
+    paths = host_paths(containerd, tmp_path, policy="static")
+    pod = DaemonSetPod(containerd.cri(), MANIFEST, tmp_path / "kubelet", host_paths=paths)
+    try:
+        pod.start()
+        wait_for("the plugin's container to exit", lambda: not pod.running(), 60)
+        status = containerd.cri().container_status(pod.container_id or "")["status"]
+        assert status.get("exit_code") == 2, status
+        said = "\n".join(pod.logs())
+        assert "kubelet's static CPU manager policy owns this node's CPUs" in said, said
+        assert "set kubelet's cpuManagerPolicy to none" in said, said
+        assert not journal.entries("ACTION=synchronize")
+    finally:
+        pod.delete(grace=2)
+
+
+@pytest.fixture
+def runtime_netns() -> Iterator[Path]:
+    """/var/run/netns, where containerd makes pods' network namespaces by default and where the
+    node-features patch mounts them from, as a shared mount (``ip netns`` and containerd make
+    it one; under systemd, every mount is shared).  What the test's pods leave there is
+    unmounted and removed at the end, whatever happened."""
+    before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mountpoint", "-q", str(NETNS_DIR)], check=False).returncode:
+        subprocess.run(["mount", "--bind", str(NETNS_DIR), str(NETNS_DIR)], check=True)
+    subprocess.run(["mount", "--make-shared", str(NETNS_DIR)], check=True)
+    yield NETNS_DIR
+    for name in set(os.listdir(NETNS_DIR)) - before:
+        subprocess.run(["umount", str(NETNS_DIR / name)], capture_output=True, check=False)
+        (NETNS_DIR / name).unlink(missing_ok=True)
+
+
+def test_nic_locality_needs_the_node_features_patch_and_works_with_it(
+    make_containerd: Callable[..., Containerd],
+    journal: PrivateJournal,
+    runtime_netns: Path,
+    tmp_path: Path,
+) -> None:
+    """A pod asking for strict NIC locality, its ``net1`` a macvlan on this machine's NIC (whose
+    device a generated sysfs puts on NUMA node 0): refused under the DaemonSet as shipped, which
+    cannot enter pods' network namespaces; born pinned, with the NIC's node honoured, once the
+    DaemonSet is patched with packaging/kubernetes/node-features.yaml (real kubectl)."""
+    lower = host_nic()
+    containerd = make_containerd(start=False)  # pods' namespaces at the default place
+    cni.install(containerd, lower.name)
+    containerd.start()
+    containerd.import_images(cached().archive)
+    cri = containerd.cri()
+    sysfs = mirror_with_nic(tmp_path / "fake-sysfs", lower.parent_bus, lower.parent_dev, 0)
+    paths = {**host_paths(containerd, tmp_path), "/sys": sysfs}
+    strict = {nic.LOCALITY_ANNOTATION: "strict"}
+    patched_manifest = patched(MANIFEST, NODE_FEATURES, tmp_path / "patched.yaml")
+
+    for manifest, synchronizations in ((MANIFEST, 1), (patched_manifest, 2)):
+        plugin = DaemonSetPod(cri, manifest, tmp_path / "kubelet", host_paths=paths)
+        try:
+            plugin.start()
+            wait_for("the plugin to synchronize", synchronized(journal, synchronizations), 60)
+            pod = cri.run_pod(
+                PodSpec("nic-strict", qos="guaranteed", host_network=False, annotations=strict)
+            )
+            app = ContainerSpec.guaranteed("fwd", 1, command=FIRST_LINE)
+            if manifest is MANIFEST:
+                with pytest.raises(CRIError, match="NIC locality is strict"):
+                    cri.create_container(pod, app)
+            else:
+                cid = cri.create_container(pod, app)
+                cri.start(cid)
+                assert cri.wait_logs(cid, 1) == ["Cpus_allowed_list:\t1"]
+                [record] = journal.entries("ACTION=nic-locality", "HONOURED=honoured")
+                assert record["NIC_NUMA"] == "0", record
+                assert f"net1 ({lower.parent_bus}/{lower.parent_dev}" in record["NICS"]
+            cri.stop_pod(pod)
+            cri.remove_pod(pod)
+        finally:
+            plugin.delete(grace=2)

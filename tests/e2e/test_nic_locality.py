@@ -21,7 +21,7 @@ from harness import cni
 from harness.cri import CRIError
 from harness.k8s import ContainerSpec, PodSpec
 from netns_util import host_nic
-from sysfs_gen import MachineSpec, write_fake_device, write_sysfs
+from sysfs_gen import mirror_with_nic
 
 from e2e.daemon import Daemon, check_agreement
 from nri_cpuplugin.hardware import nic
@@ -41,13 +41,6 @@ def containerd(make_containerd, containerd_version, lower):
     cni.install(ctrd, lower.name)
     ctrd.start()
     return ctrd
-
-
-def mirror_of_this_machine(tmp_path: Path, lower, node: int) -> Path:
-    """This machine's CPUs (0-1, one NUMA node) with its NIC's device FAKED onto ``node``."""
-    root = write_sysfs(MachineSpec(name="this-vm", cores_per_socket=2), tmp_path / "fake-sysfs")
-    write_fake_device(root, lower.parent_bus, lower.parent_dev, node, parent="fake-0000:00:03.0")
-    return root
 
 
 def daemon_with(containerd, tmp_path: Path, sysfs: str | None) -> Daemon:
@@ -97,7 +90,7 @@ def test_this_machines_virtio_nic_gives_no_preference(containerd, tmp_path, lowe
 
 
 def test_a_nic_node_is_honoured_and_strict_locality_fails_cleanly(containerd, tmp_path, lower):
-    root = mirror_of_this_machine(tmp_path, lower, 0)
+    root = mirror_with_nic(tmp_path / "fake-sysfs", lower.parent_bus, lower.parent_dev, 0)
     daemon = daemon_with(containerd, tmp_path, str(root))
     daemon.sysfs = str(root)
     daemon.start()

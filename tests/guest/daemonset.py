@@ -18,6 +18,7 @@ from typing import Any
 from harness.guest_kubelet import SystemdKubelet
 from harness.kubelet_pod import DaemonSetPod
 
+from guest.irqs import interrupts, managed, pinned_pod, remove, settled
 from guest.pinning import (
     _pinned_beside_shared,
     _systemctl,
@@ -27,6 +28,8 @@ from guest.pinning import (
     tasks_allowed,
 )
 from guest.scenarios import container_facts
+
+KUBELET_CHECKPOINT = Path("/var/lib/kubelet/cpu_manager_state")
 
 
 def _until(check: Callable[[], object], timeout: float) -> float | None:
@@ -45,10 +48,45 @@ def _shared_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
     return facts
 
 
-def run_daemonset(address: str, import_command: list[str], manifest: str) -> dict[str, Any]:
+def _kubelet_checkpoint() -> None:
+    """kubelet's CPU manager checkpoint, as kubelet writes it at its start (FAKE: no kubelet
+    runs here); the manifest mounts it."""
+    KUBELET_CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
+    KUBELET_CHECKPOINT.write_text('{"policyName": "none", "defaultCpuSet": "", "checksum": 1}')
+
+
+def _node_features(cri: SystemdKubelet, manifest: Path) -> dict[str, Any]:
+    """The plugin's pod replaced by one of the DaemonSet patched with node-features.yaml (as
+    ``kubectl patch`` makes the controller replace it); a 2-CPU Guaranteed pod that asks for
+    its CPUs free of interrupts, then its removal."""
+    facts: dict[str, Any] = {}
+    cursor = journal_cursor()
+    plugin = DaemonSetPod(cri, manifest, Path(tempfile.mkdtemp(prefix="kubelet-")))
+    plugin.start()
+    facts["synchronized_after_s"] = _until(lambda: daemon_records("synchronize", cursor), 600)
+    facts["managed"] = managed()
+    facts["baseline"] = {n: i["affinity"] for n, i in interrupts().items()}
+    pod, cpus = pinned_pod(cri, "irq-free", True)
+    facts["cpus"] = sorted(cpus)
+    facts["held"] = {n: i["affinity"] for n, i in settled(cpus, True, 300).items()}
+    facts["irq_records"] = [
+        {k: r.get(k) for k in ("MESSAGE", "NARROWED", "MANAGED", "FAILED", "PRIORITY")}
+        for r in daemon_records("irq", cursor)
+    ]
+    remove(cri, pod)
+    facts["released"] = {n: i["affinity"] for n, i in settled(cpus, False, 300).items()}
+    plugin.delete(grace=15)
+    return facts
+
+
+def run_daemonset(
+    address: str, import_command: list[str], manifest: str, node_features: str | None = None
+) -> dict[str, Any]:
     """Import the image; run the DaemonSet's pod; a shared pod then a 2-CPU Guaranteed one;
-    3 ``daemon-reload``s; the plugin's container killed and restarted as kubelet would."""
+    3 ``daemon-reload``s; the plugin's container killed and restarted as kubelet would; with
+    ``node_features`` (the manifest patched with it), interrupts kept off a pod's CPUs."""
     result: dict[str, Any] = {}
+    _kubelet_checkpoint()
     imported = subprocess.run(import_command, capture_output=True, text=True, check=False)
     result["import"] = {"rc": imported.returncode, "stderr": imported.stderr[-500:]}
     with SystemdKubelet(address) as cri:
@@ -84,5 +122,7 @@ def run_daemonset(address: str, import_command: list[str], manifest: str) -> dic
         result["pinned_after_kill"] = container_facts(cri, pinned["app"])
         result["shared_after_kill"] = _shared_facts(cri, shared["app"])
         plugin.delete(grace=15)
+        if node_features is not None:
+            result["node_features"] = _node_features(cri, Path(node_features))
         cri.remove_all()
     return result

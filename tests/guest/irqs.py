@@ -133,21 +133,21 @@ def _deltas(before: dict[str, Any], after: dict[str, Any], cpus: set[int]) -> di
     return found
 
 
-def _pod(cri: SystemdKubelet, name: str, irq_free: bool) -> tuple[Any, set[int]]:
+def pinned_pod(cri: SystemdKubelet, name: str, irq_free: bool) -> tuple[Any, set[int]]:
     annotations = {ANNOTATION: "true"} if irq_free else {}
     spec = ContainerSpec.guaranteed("app", 2, command=FIRST_LINE)
     pod = cri.run(PodSpec.for_containers(name, [spec], annotations=annotations), [spec])
     return pod, set(parse_cpu_list(_first_line(cri, pod["app"])))
 
 
-def _remove(cri: SystemdKubelet, pod: Any) -> None:
+def remove(cri: SystemdKubelet, pod: Any) -> None:
     cri.stop(pod["app"], timeout=0)
     cri.remove(pod["app"])
     cri.stop_pod(pod.id)
     cri.remove_pod(pod.id)
 
 
-def _settled(keep: set[int], want_free: bool, timeout: float = 30.0) -> dict[str, Any]:
+def settled(keep: set[int], want_free: bool, timeout: float = 30.0) -> dict[str, Any]:
     """/proc/interrupts once every changeable interrupt is off ``keep`` (``want_free``) or
     back on its CPUs; the daemon writes in the background of the pod's start."""
     deadline = time.monotonic() + timeout
@@ -174,10 +174,10 @@ def irq_scenario(address: str, load_seconds: float = 20.0) -> dict[str, Any]:
     result["baseline"] = {n: i["affinity"] for n, i in baseline.items()}
     result["baseline_default"] = _read(PROC_IRQ / "default_smp_affinity")
     with SystemdKubelet(address) as cri:
-        opted, opted_cpus = _pod(cri, "irq-free", True)
-        _, other_cpus = _pod(cri, "irq-plain", False)
+        opted, opted_cpus = pinned_pod(cri, "irq-free", True)
+        _, other_cpus = pinned_pod(cri, "irq-plain", False)
         result["opted_cpus"], result["other_cpus"] = sorted(opted_cpus), sorted(other_cpus)
-        held = _settled(opted_cpus, True)
+        held = settled(opted_cpus, True)
         result["held"] = {n: {"names": i["names"], "affinity": i["affinity"],
                               "effective": i["effective"], "total": sum(i["counts"].values())}
                           for n, i in held.items()}  # fmt: skip
@@ -204,20 +204,20 @@ def irq_scenario(address: str, load_seconds: float = 20.0) -> dict[str, Any]:
             for label, cpus in (("opted", opted_cpus), ("other", other_cpus),
                                 ("pool", online - opted_cpus - other_cpus))
         }  # fmt: skip
-        _remove(cri, opted)
-        released = _settled(opted_cpus, False)
+        remove(cri, opted)
+        released = settled(opted_cpus, False)
         result["released"] = {n: i["affinity"] for n, i in released.items()}
         result["released_default"] = _read(PROC_IRQ / "default_smp_affinity")
         # Crash-safety: a daemon killed while it keeps CPUs free, restarted by systemd.
-        again, again_cpus = _pod(cri, "irq-again", True)
+        again, again_cpus = pinned_pod(cri, "irq-again", True)
         result["again_cpus"] = sorted(again_cpus)
-        result["again_held"] = {n: i["affinity"] for n, i in _settled(again_cpus, True).items()}
+        result["again_held"] = {n: i["affinity"] for n, i in settled(again_cpus, True).items()}
         result["kill"] = kill_daemon()
         time.sleep(2)  # the restarted daemon's first look at /proc/irq is part of its start
         result["after_kill"] = {n: i["affinity"] for n, i in interrupts().items()}
         result["after_kill_default"] = _read(PROC_IRQ / "default_smp_affinity")
-        _remove(cri, again)
-        result["restored"] = {n: i["affinity"] for n, i in _settled(again_cpus, False).items()}
+        remove(cri, again)
+        result["restored"] = {n: i["affinity"] for n, i in settled(again_cpus, False).items()}
         result["restored_default"] = _read(PROC_IRQ / "default_smp_affinity")
         cri.remove_all()
     return result

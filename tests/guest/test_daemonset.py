@@ -5,7 +5,9 @@ cgroup driver), every hostPath the guest node's own (tests/guest/daemonset.py ru
 The plugin in its container registers; a Guaranteed pod started afterwards is born pinned; the
 shared pod is moved off its CPUs by direct writes - its scope handed over from systemd, with no
 ``runc update`` (which would give systemd a cpuset for it again) - and nothing reverts through
-3 ``daemon-reload``s; the plugin's container killed and restarted moves nothing.
+3 ``daemon-reload``s; the plugin's container killed and restarted moves nothing.  Then the
+DaemonSet patched with packaging/kubernetes/node-features.yaml (real kubectl): the plugin in its
+container keeps a pod's CPUs free of the node's device interrupts and gives them back.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import pytest
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
+from harness.kubelet_pod import patched
 from product_image import REPO, cached
 
 from guest.conftest import SCENARIO_RUNTIME
 from nri_cpuplugin import __version__
 
 MANIFEST = REPO / "packaging/kubernetes/daemonset.yaml"
+NODE_FEATURES = REPO / "packaging/kubernetes/node-features.yaml"
 
 
 def _cpus(text: str) -> set[int]:
@@ -50,6 +54,7 @@ def test_the_daemonset_pod_pins_on_the_systemd_driver(
     guest: Guest, on_runtime: GuestRuntime
 ) -> None:
     archive = cached().archive
+    node_features = patched(MANIFEST, NODE_FEATURES, guest.results / "node-features.yaml")
     started = time.monotonic()
     facts = guest.call(
         "guest.daemonset:run_daemonset",
@@ -57,6 +62,7 @@ def test_the_daemonset_pod_pins_on_the_systemd_driver(
         address=on_runtime.cri_socket,
         import_command=[*on_runtime.import_images[0][:-1], str(archive)],
         manifest=str(MANIFEST),
+        node_features=str(node_features),
     )
     print(f"run_daemonset: {time.monotonic() - started:.1f} s in the guest")
     print(json.dumps(facts, indent=1, sort_keys=True)[:20000])
@@ -77,3 +83,21 @@ def test_the_daemonset_pod_pins_on_the_systemd_driver(
     assert _cpus(facts["pinned_after_kill"]["cpuset_cpus_effective"]) == exclusive
     assert facts["pinned_after_kill"]["pid"] == facts["pinned_before"]["pid"]
     _off(exclusive, facts["shared_after_kill"], handed_over=False)
+
+    # Patched with node-features.yaml: the plugin in its container moves interrupts.
+    features = facts["node_features"]
+    assert features["synchronized_after_s"] is not None, "the patched plugin never synchronized"
+    cpus, managed = set(features["cpus"]), set(features["managed"])
+    changeable = set(features["baseline"]) - managed
+    on_them = {n: a for n, a in features["held"].items() if n in changeable and cpus & _cpus(a)}
+    assert not on_them, f"interrupts still on the irq-free pod's CPUs {sorted(cpus)}: {on_them}"
+    assert any(cpus & _cpus(features["baseline"][n]) for n in changeable)  # some were moved
+    records = features["irq_records"]
+    assert any(r["PRIORITY"] == "6" and int(r["NARROWED"]) > 0 for r in records), records
+    assert not any("read-only" in r["MESSAGE"] for r in records), records
+    not_back = {
+        n: (features["baseline"][n], a)
+        for n, a in features["released"].items()
+        if n in changeable and a != features["baseline"][n]
+    }
+    assert not not_back, f"not given back when the pod went: {not_back}"

@@ -428,7 +428,12 @@ class CRIClient:
             },
             log_path=f"{spec.name}/{spec.attempt}.log",
             mounts=[
-                pb.Mount(host_path=m.host, container_path=m.container, readonly=m.readonly)
+                pb.Mount(
+                    host_path=m.host,
+                    container_path=m.container,
+                    readonly=m.readonly,
+                    propagation=pb.MountPropagation.Value(m.propagation),
+                )
                 for m in spec.mounts
             ],
             linux=pb.LinuxContainerConfig(

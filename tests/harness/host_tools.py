@@ -1,4 +1,4 @@
-"""Host programs the guest node needs (QEMU, debootstrap, mkfs.ext4), installed from the
+"""Host programs the guest node needs (QEMU, debootstrap, mkfs.ext4) and kubectl, installed from the
 machine's own Debian suite when missing, as ``./dev`` installs python3-venv.
 
 Only the host's configured sources are used (bookworm here): packages from other suites never
@@ -22,6 +22,7 @@ PROGRAMS = {
     "debootstrap": "debootstrap",
     "mkfs.ext4": "e2fsprogs",
     "gpgv": "gpgv",
+    "kubectl": "kubernetes-client",  # strategic-merge patches of the DaemonSet (kubelet_pod.py)
 }
 # apt waits this long for another apt/dpkg run (other sessions share the machine).
 LOCK_TIMEOUT_S = 600

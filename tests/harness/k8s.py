@@ -62,11 +62,13 @@ def milli_to_quota(milli: int | None) -> int:
 @dataclass(frozen=True)
 class Mount:
     """A volume mount as kubelet sends it: a host path (a hostPath volume, or the directory
-    kubelet writes a configMap's files into) at a path in the container."""
+    kubelet writes a configMap's files into) at a path in the container; ``propagation`` by
+    CRI's names (PROPAGATION_PRIVATE, PROPAGATION_HOST_TO_CONTAINER, ...)."""
 
     host: str
     container: str
     readonly: bool = False
+    propagation: str = "PROPAGATION_PRIVATE"
 
 
 @dataclass(frozen=True)

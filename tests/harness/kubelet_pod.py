@@ -5,19 +5,24 @@ It reads the manifest's pod template and sends what kubelet would for it: RunPod
 the pod's namespaces, labels and annotations; CreateContainer with the container's image,
 command and args, env, resources (kubelet's arithmetic, harness/k8s.py), volume mounts and
 securityContext; StartContainer.  ``hostPath`` volumes are checked by their ``type`` as kubelet
-checks them (``DirectoryOrCreate`` made, ``Directory``/``Socket`` required) and may be mapped
-to other places on this machine (a private runtime's NRI socket directory, a state directory of
-the test's); a ``configMap`` volume's keys are written as files and mounted read-only, as
-kubelet's are.  ``restartPolicy: Always`` is kept by :meth:`DaemonSetPod.sync` (the restart of
-an exited container, as the next attempt, without kubelet's back-off); an ``exec`` probe runs
-through ExecSync.  Not modelled: the scheduler, tolerations, priority, service links, kubelet's
-back-off and its probes' periods (the test calls them when it wants an answer).
+checks them (``DirectoryOrCreate`` made, ``Directory``/``File``/``Socket`` required) and may be
+mapped to other places on this machine (a private runtime's NRI socket directory, a state
+directory of the test's); a ``configMap`` volume's keys are written as files and mounted
+read-only, as kubelet's are.  ``restartPolicy: Always`` is kept by :meth:`DaemonSetPod.sync`
+(the restart of an exited container, as the next attempt, without kubelet's back-off); an
+``exec`` probe runs through ExecSync.  Not modelled: the scheduler, tolerations, priority,
+service links, kubelet's back-off and its probes' periods (the test calls them when it wants
+an answer).
+:func:`patched` applies a strategic-merge patch to the manifest's DaemonSet with a real
+``kubectl patch --local`` (Debian's kubernetes-client), as an operator's ``kubectl patch``
+changes the DaemonSet.
 """
 
 from __future__ import annotations
 
 import secrets
 import stat
+import subprocess
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,8 +30,16 @@ from typing import Any
 
 import yaml
 
+from . import host_tools
 from .cri import CRIClient
 from .k8s import ContainerSpec, Mount, PodSpec, Security
+
+# a volumeMount's mountPropagation -> CRI's MountPropagation
+PROPAGATION = {
+    "None": "PROPAGATION_PRIVATE",
+    "HostToContainer": "PROPAGATION_HOST_TO_CONTAINER",
+    "Bidirectional": "PROPAGATION_BIDIRECTIONAL",
+}
 
 
 class ManifestError(ValueError):
@@ -42,6 +55,24 @@ def one(manifest: Path, kind: str) -> dict[str, Any]:
     if len(found) != 1:
         raise ManifestError(f"{manifest}: expected one {kind}, found {len(found)}")
     return found[0]
+
+
+def patched(manifest: Path, patch: Path, out: Path) -> Path:
+    """``manifest`` with its DaemonSet patched by ``patch`` (strategic merge, by kubectl),
+    written to ``out``; the other documents as they are."""
+    kubectl = host_tools.ensure("kubectl")["kubectl"]
+    daemonset = out.with_suffix(".daemonset.yaml")
+    daemonset.write_text(yaml.safe_dump(one(manifest, "DaemonSet")))
+    result = subprocess.run(
+        [str(kubectl), "patch", "--local", "-f", str(daemonset), "--type", "strategic",
+         "--patch-file", str(patch), "-o", "yaml"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    if result.returncode:
+        raise ManifestError(f"kubectl patch {patch} failed: {result.stderr.strip()}")
+    rest = [d for d in documents(manifest) if d.get("kind") != "DaemonSet"]
+    out.write_text(yaml.safe_dump_all([*rest, yaml.safe_load(result.stdout)]))
+    return out
 
 
 def milli_cpu(quantity: str | int | None) -> int | None:
@@ -103,6 +134,7 @@ class DaemonSetPod:
                     mount["mountPath"],
                     # kubelet mounts configMap volumes read-only whatever the mount says
                     readonly=bool(mount.get("readOnly")) or "configMap" in volume,
+                    propagation=PROPAGATION[mount.get("mountPropagation", "None")],
                 )
             )
         return mounts
@@ -116,6 +148,8 @@ class DaemonSetPod:
                 here.mkdir(parents=True, exist_ok=True, mode=0o755)
             elif kind == "Directory" and not here.is_dir():
                 raise ManifestError(f"hostPath {path} ({here}): not a directory")
+            elif kind == "File" and not here.is_file():
+                raise ManifestError(f"hostPath {path} ({here}): not a file")
             elif kind == "Socket" and not (here.exists() and stat.S_ISSOCK(here.stat().st_mode)):
                 raise ManifestError(f"hostPath {path} ({here}): not a socket")
             return str(here)

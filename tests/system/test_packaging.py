@@ -611,6 +611,8 @@ def test_daemonset_mounts_what_the_configured_daemon_uses() -> None:
         "/etc/systemd": ("/etc/systemd", "DirectoryOrCreate", True),
         # the host's cgroups where the daemon looks for them, writable (DAEMON_WRITES)
         cgroupfs.DEFAULT_ROOT: ("/sys/fs/cgroup", "Directory", False),
+        # kubelet's CPU manager checkpoint, the file alone (pods' secrets are beside it)
+        settings.kubelet_cpu_manager_state: ("/var/lib/kubelet/cpu_manager_state", "File", True),
     }
     for path in DAEMON_WRITES:
         assert not host_paths[path][2], f"{path} is mounted read-only: {DAEMON_WRITES[path]}"
