@@ -39,6 +39,7 @@ from typing import Any
 
 from fake_cgroup_v1 import FakeCgroupV1
 from model_stall import Stall
+from proc_gen import proc_tree
 from sysfs_gen import MachineSpec, write_sysfs
 from topologies import scratch_dir
 
@@ -57,6 +58,8 @@ from nri_cpuplugin.ops.config import Settings
 
 # 1 socket, 6 cores, 2 threads: CPUs 0-11, a core's threads N and N+6; 0 and 6 reserved.
 MACHINE = MachineSpec(sockets=1, cores_per_socket=6, threads_per_core=2, name="model-12")
+IRQS = {24: "0-11", 25: "0-11", 26: "5"}  # the machine's device interrupts, at boot
+IRQ_FREE = "irq-free.nri-cpuplugin.io"
 CREATED, RUNNING, STOPPED = 1, 3, 4  # NRI ContainerState
 PERIOD = 100_000
 
@@ -141,12 +144,15 @@ class Host:
         except PolicyError as err:
             return None, err
 
-    def connect(self, pods: list, containers: list) -> list:
-        """Configure and Synchronize, as the runtime does for a plugin that registers."""
+    def connect(self, pods: list, containers: list, lists: bool = True) -> list:
+        """Configure and Synchronize, as the runtime does for a plugin that registers; no
+        Synchronize (``lists=False``) as containerd 1.7 for a plugin it launched again."""
         adapter = self.daemon.adapter
         mask = self.run(adapter.configure("", "containerd", "v2.1.9"))
         self.events = mask if mask is not None else event_mask(adapter)
         self.daemon.node.writer.proc = self.proc
+        if not lists:
+            return []
         updates, err = self.call("synchronize", pods, containers)
         assert err is None, f"Synchronize refused: {err}"
         return updates
@@ -237,12 +243,25 @@ class Machine:
         self._link()
         (self.sysfs / "fs").mkdir()
         self.cgroups = FakeCgroupV1(self.sysfs / "fs" / "cgroup", MACHINE.online)
-        self.proc = base / "proc"  # FAKE /proc: no processes (no v1 eviction to repair)
-        self.proc.mkdir()
+        # FAKE /proc: no processes (no v1 eviction to repair); three device interrupts, one
+        # of them on CPU 5 alone (given the shared pool when 5 is kept free)
+        self.proc = proc_tree(base / "proc", IRQS, default="fff", cpus=len(MACHINE.online))
+        # Each interrupt's affinity as the kernel last set it (at boot, or at a hotplug that left
+        # it no online CPU): what it has when nobody took CPUs from it.
+        self.irq_set = {number: CPUSet.parse(cpus) for number, cpus in IRQS.items()}
 
     @property
     def online(self) -> CPUSet:
         return MACHINE.online - CPUSet(self.offline)
+
+    def _irqs_offline(self) -> None:
+        """The kernel's part of a CPU going offline: an interrupt left with no online CPU is
+        given every online one."""
+        for number in IRQS:
+            path = self.proc / "irq" / str(number) / "smp_affinity_list"
+            if not CPUSet.parse(path.read_text().strip()) & self.online:
+                path.write_text(f"{self.online}\n")
+                self.irq_set[number] = self.online
 
     def _link(self) -> None:
         link = self.sysfs / "devices.new"
@@ -257,6 +276,7 @@ class Machine:
             self.cgroups.online_again(cpu)
         else:
             self.cgroups.offline(cpu)
+            self._irqs_offline()
         return hotplug.CPUEvent("online" if online else "offline", cpu, time.monotonic())
 
 
@@ -381,6 +401,7 @@ class Pod:
         self.phase = "planned"  # running, removed
         self.attempt = 0
         self.old = False  # created before the runtime's last restart
+        self.annotations: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return self.name
@@ -419,6 +440,7 @@ class Pod:
 
     def sandbox(self) -> pb.PodSandbox:
         sandbox = pb.PodSandbox(id=self.sandbox_id, name=self.name, uid=self.uid, namespace="ns")
+        sandbox.annotations.update(self.annotations)
         sandbox.linux.cgroup_parent = self.cgroup_parent
         if self.qos == "guaranteed":
             cpu = sandbox.linux.pod_resources.cpu
@@ -457,8 +479,11 @@ class Runtime:
     """FAKE containerd (see the module text).  Each method is one thing the runtime does; it
     returns a line saying what happened, for the test's log."""
 
-    def __init__(self, host: Host, machine: Machine, systemd: FakeSystemd) -> None:
+    def __init__(
+        self, host: Host, machine: Machine, systemd: FakeSystemd, lists: bool = True
+    ) -> None:
         self.host = host
+        self.lists = lists  # Synchronize at each connection (not: containerd 1.7, launched)
         self.machine = machine
         self.cgroups = machine.cgroups
         self.systemd = systemd
@@ -655,14 +680,19 @@ class Runtime:
     # --- restarts -----------------------------------------------------------------------------
 
     def reconnect(self) -> str:
-        """The plugin (re)registers: Configure, Synchronize, the reply applied."""
+        """The plugin (re)registers: Configure, Synchronize, the reply applied (no
+        Synchronize when the runtime does not list: ``lists``)."""
+        if not self.lists:
+            self.host.connect([], [], lists=False)
+            return "no Synchronize"
         pods, containers = self.listing()
         self.apply(self.host.connect(pods, containers))
         return f"Synchronize {len(pods)} pods, {len(containers)} containers"
 
     def restart(self) -> str:
         """containerd restarts: CRI calls in flight fail, the plugin reconnects; its NRI state
-        holds the containers it lists, and no pod: their Stop/RemovePodSandbox never come."""
+        holds the containers it lists, and no pod: their Stop/RemovePodSandbox never come.
+        Not ``lists``: containerd 1.7 with the plugin it launched, killed and launched again."""
         for ctr in self.by_id.values():
             ctr.pending = None
         self.host.disconnected()
@@ -670,6 +700,9 @@ class Runtime:
             pod.old = pod.old or pod.phase == "running"
         for ctr in self.by_id.values():
             ctr.relayed = ctr.phase in ("created", "running")
+        if not self.lists:
+            self.host.restart()
+            return "runtime restarted, the plugin launched again; " + self.reconnect()
         return "runtime restarted; " + self.reconnect()
 
     # --- kubelet: a pod's next step ------------------------------------------------------------
@@ -730,11 +763,13 @@ class ModelNode:
     """The whole FAKE node in one: machine, systemd, the daemon's process and containerd.
     ``driver``: "cgroupfs" or "systemd"; ``units``: the daemon reaches systemd (FakeUnits),
     "dbus": through its real ``SystemdUnits`` on FAKE D-Bus (tests/model_dbus.py), or not
-    (the runtime applies the systemd driver's cpusets from the replies)."""
+    (the runtime applies the systemd driver's cpusets from the replies).  ``lists``: the
+    runtime sends Synchronize at each connection (not: containerd 1.7 and a plugin it
+    launched)."""
 
     def __init__(self, base: Path, driver: str = "cgroupfs", units: bool | str = False,
                  pin_at: str = "create", budget: float = 1.5, records: Records | None = None,
-                 ) -> None:  # fmt: skip
+                 lists: bool = True) -> None:  # fmt: skip
         self.driver = driver
         self.machine = Machine(Path(base))
         self.cgroups = self.machine.cgroups
@@ -758,7 +793,7 @@ class ModelNode:
         if units == "dbus":
             units_ = self.dbus_units
         self.host = Host(self.settings, self.records, units_, str(self.machine.proc), self.stall)
-        self.runtime = Runtime(self.host, self.machine, self.systemd)
+        self.runtime = Runtime(self.host, self.machine, self.systemd, lists)
         self.runtime.reconnect()
 
     def dbus_units(self) -> SystemdUnits:

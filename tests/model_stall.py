@@ -8,6 +8,7 @@ way each time it is replayed (else it stops with FlakyStrategyDefinition, and a 
 cannot be shrunk).  So here time passes only while something stalls:
 
 * outside a stall, no budget runs out (nothing the model does takes long);
+* a full or failing disk (``failing``: every write raises) stalls nothing: time stands still;
 * in a stall - the state file's disk (its durable write blocks), or the state lock held by
   another process (as the OCI hook or the CLI would hold it) - a request's budget runs out
   exactly when the worker is stuck on it (its job, or one ahead of it, waits for the disk or
@@ -30,6 +31,7 @@ Waits are for conditions, checked every ``TICK`` (nothing waits out a time).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,11 +48,13 @@ PATIENCE = 60.0  # a condition not met by then is a hang: the test fails
 
 
 class Stall:
-    """The disk or the state lock stalling, and the budgets' clock (see the module text).
-    Patches ``files.write_atomic`` (the state file's durable write) until ``close``."""
+    """The disk or the state lock stalling, the disk failing, and the budgets' clock (see the
+    module text).  Patches ``files.write_atomic`` (the state file's durable write, the health
+    file's) until ``close``."""
 
     def __init__(self) -> None:
         self.what = ""  # "disk" or "lock" while stalled
+        self.failing = 0  # an errno every write fails with (a full or failing disk), or 0
         self._gate = threading.Event()  # shut while the disk stalls
         self._gate.set()
         self._at_gate = threading.Event()  # a thread waits at the shut gate
@@ -58,6 +62,8 @@ class Stall:
         self._write = files.write_atomic
 
         def write_atomic(*args: Any, **kwargs: Any) -> Any:
+            if self.failing:
+                raise OSError(self.failing, os.strerror(self.failing), args[1])
             if not self._gate.is_set():
                 self._at_gate.set()
                 assert self._gate.wait(PATIENCE), "the slow disk was never let go"

@@ -15,6 +15,10 @@ kubelet, systemd and the kernel (tests/model_runtime.py) through random interlea
   after), the daemon's timers (the sweep), CPU hotplug, systemd's daemon-reload;
 * a slow disk or the state lock held by another process: requests answered by their fallbacks
   within the budget, the late work settling afterwards;
+* a full or failing disk (ENOSPC, EIO on every write) while pods start, stop and resize and
+  the daemon or the runtime restarts: nothing waits, the invariants hold throughout;
+* a runtime that lists its containers at each connection (Synchronize) and one that never
+  does (containerd 1.7 with a plugin it launched);
 * both cgroup drivers: cgroupfs, and systemd with the daemon's FAKE ``Units`` or without
   (``units=None``: the runtime applies those cpusets from the replies); pinning at creation or
   at start;
@@ -34,7 +38,9 @@ After every step, once the late work has settled, the invariants hold:
    longer has (a pod whose removal the runtime did not relay: once the sweep has run);
 5. no audit record says a container was moved (MOVED=yes) to CPUs its cgroup is not on;
 6. an earmark never splits a physical core that a whole-core choice from the same CPUs would
-   keep whole.
+   keep whole;
+7. an interrupt that lost online CPUs (pods that ask keep theirs free of interrupts) has them
+   recorded as taken in the state file: recorded before written, whatever failed.
 
 Size: ``NRI_MODEL_EXAMPLES`` schedules (default 50; three times as many for
 ``DBusNodeModel``) of ``NRI_MODEL_STEPS`` steps (default 40);
@@ -46,6 +52,7 @@ the same way every time; every wait is for a condition.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -65,6 +72,8 @@ from hypothesis.stateful import (
     rule,
 )
 from model_runtime import (
+    IRQ_FREE,
+    IRQS,
     MACHINE,
     Ctr,
     Host,
@@ -75,6 +84,7 @@ from model_runtime import (
     cpuset_request,
     resize_request,
 )
+from proc_gen import affinities
 from topologies import scratch_dir
 
 from nri_cpuplugin.core.allocator import AllocationError
@@ -91,16 +101,19 @@ MAX_PODS = 5
 STALLED_CALLS = 3  # requests made while the disk or the lock is stalled, at most
 HOTPLUG = (3, 5, 11)  # CPUs that may go offline (5 and 11: one core); at most two at once
 
-# (driver, the daemon has systemd (Units; "dbus": its own SystemdUnits on FAKE D-Bus), pin_at)
-CONFIGS: list[tuple[str, bool | str, str]] = [
-    ("cgroupfs", False, "create"),
-    ("systemd", True, "create"),
-    ("systemd", False, "create"),
-    ("cgroupfs", False, "start"),
-    ("systemd", True, "start"),
+# (driver, the daemon has systemd (Units; "dbus": its own SystemdUnits on FAKE D-Bus), pin_at,
+# the runtime lists its containers at each connection (not: containerd 1.7, a plugin it launched))
+Config = tuple[str, bool | str, str, bool]
+CONFIGS: list[Config] = [
+    ("cgroupfs", False, "create", True),
+    ("systemd", True, "create", True),
+    ("systemd", False, "create", True),
+    ("cgroupfs", False, "start", True),
+    ("systemd", True, "start", True),
+    ("cgroupfs", False, "create", False),
 ]
 # The daemon's own SystemdUnits on FAKE D-Bus, with systemd's faults (``DBusNodeModel``)
-DBUS_CONFIGS: list[tuple[str, bool | str, str]] = [("systemd", "dbus", "create")]
+DBUS_CONFIGS: list[Config] = [("systemd", "dbus", "create", True)]
 
 
 def build_pod(kind: str, name: str, driver: str) -> Pod:
@@ -109,6 +122,9 @@ def build_pod(kind: str, name: str, driver: str) -> Pod:
     pod = Pod(name, qos, driver)
     if kind in ("g1", "g2", "g3"):
         return pod.add("main", int(kind[1]) * 1000, int(kind[1]) * 1000)
+    if kind == "irq":  # 2 CPUs kept free of device interrupts
+        pod.annotations[IRQ_FREE] = "true"
+        return pod.add("main", 2000, 2000)
     if kind == "sidecar":  # a restartable init container beside the main one (limit 2.5)
         return pod.add("proxy", 500, 500, kind="init", sidecar=True).add("main", 2000, 2000)
     if kind == "pair":  # two app containers: 500m shared, 1 CPU exclusive (limit 1.5)
@@ -122,7 +138,8 @@ def build_pod(kind: str, name: str, driver: str) -> Pod:
     return pod.add("main", 0, None)
 
 
-KINDS = ("g1", "g2", "g3", "sidecar", "pair", "init", "frac", "burst", "be")
+# (irq twice: its interrupt work must often meet a failing disk)
+KINDS = ("g1", "g2", "g3", "irq", "irq", "sidecar", "pair", "init", "frac", "burst", "be")
 
 
 # What the examples did, by kind of step (NRI_MODEL_STATS=1 prints it at the end).
@@ -167,13 +184,13 @@ class NodeModel(RuleBasedStateMachine):
         config=st.sampled_from(CONFIGS),
         kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=MAX_PODS),
     )
-    def boot(self, config: tuple[str, bool | str, str], kinds: list[str]) -> None:
-        driver, systemd, pin_at = config
+    def boot(self, config: Config, kinds: list[str]) -> None:
+        driver, systemd, pin_at, lists = config
         self.driver, self.units = driver, systemd
-        self.node = ModelNode(self.base, driver, systemd, pin_at, BUDGET, self.records)
+        self.node = ModelNode(self.base, driver, systemd, pin_at, BUDGET, self.records, lists)
         self.machine, self.systemd = self.node.machine, self.node.systemd
         self.host, self.runtime = self.node.host, self.node.runtime
-        self.say(f"{driver} driver, units {systemd}, pin at {pin_at}")
+        self.say(f"{driver} driver, units {systemd}, pin at {pin_at}, lists {lists}")
         for kind in kinds:
             self.new_pod(kind)
 
@@ -278,7 +295,8 @@ class NodeModel(RuleBasedStateMachine):
     @rule(which=st.sampled_from(["daemon", "runtime"]))
     def restart(self, which: str) -> None:
         """The daemon is killed and started again on its state directory (Configure and
-        Synchronize), or containerd restarts (no Stop/RemovePodSandbox for the pods it had)."""
+        Synchronize), or containerd restarts (no Stop/RemovePodSandbox for the pods it had;
+        containerd 1.7 kills the plugin it launched and launches it again)."""
         if which == "daemon":
             self.host.restart()
             self.say("daemon killed and started again; " + self.runtime.reconnect())
@@ -346,6 +364,29 @@ class NodeModel(RuleBasedStateMachine):
             self.say(f"the {what} recovers")
             self.recover_now()
 
+    # What may happen while the disk fails: anything, restarts included (nothing waits for it).
+    DURING_FAILURE = (*DURING_STALL, "restart")
+
+    @precondition(lambda self: self.host is not None and self.runtime.live())
+    @rule(error=st.sampled_from([errno.ENOSPC, errno.EIO]), data=st.data())
+    def disk_fails(self, error: int, data: st.DataObject) -> None:
+        """The state file's disk is full (ENOSPC) or failing (EIO) while up to three things
+        happen, daemon restarts among them; the invariants hold after each.  Nothing waits
+        for the disk: a state that cannot be written is kept in memory (an exclusive CPU only
+        once the runtime has listed its containers, which give it back after a crash), the
+        rest is refused; then the disk recovers."""
+        self.node.stall.failing = error
+        self.say(f"the disk fails ({errno.errorcode[error]})")
+        try:
+            for _ in range(data.draw(st.integers(1, STALLED_CALLS), label="failed steps")):
+                name = data.draw(st.sampled_from(self.DURING_FAILURE), label="while failing")
+                if self.applicable(name):
+                    self.during(name, data)
+                    self.placement_holds()
+        finally:
+            self.node.stall.failing = 0
+            self.say("the disk recovers")
+
     def applicable(self, name: str) -> bool:
         return {
             "new_pod": len(self.pods("planned", "running")) < MAX_PODS,
@@ -355,6 +396,7 @@ class NodeModel(RuleBasedStateMachine):
             "resize": bool(self.running(guaranteed=True)),
             "update_kept": bool(self.running()),
             "apply_own": bool(self.pending()),
+            "restart": bool(self.runtime.live()),
         }.get(name, True)
 
     def during(self, name: str, data: st.DataObject) -> None:
@@ -367,6 +409,8 @@ class NodeModel(RuleBasedStateMachine):
             method(data.draw(st.sampled_from(HOTPLUG), label="cpu"))
         elif name == "timers":
             method()
+        elif name == "restart":
+            method(data.draw(st.sampled_from(["daemon", "runtime"]), label="which"))
         else:
             method(data)
 
@@ -393,6 +437,7 @@ class NodeModel(RuleBasedStateMachine):
         problems += self.refusals_kept(state)
         problems += self.gone_but_held(state)
         problems += self.moves_untrue()
+        problems += self.interrupts_unrecorded()
         problems += self.splits
         self.splits = []
         if problems and os.environ.get("NRI_MODEL_DEBUG"):
@@ -465,6 +510,22 @@ class NodeModel(RuleBasedStateMachine):
             if (now.count if now is not None else 0) != held:
                 problems.append(f"(3) refused resize of {cid[:20]}: held {held} CPUs, now {now}")
         self.resizes = []
+        return problems
+
+    def interrupts_unrecorded(self) -> list[str]:
+        """Invariant 7: an interrupt's online CPUs that the kernel gave it (at boot, or when a
+        hotplug left it none) and that it lacks now are on disk as taken (recorded before
+        written: a crash can always give them back)."""
+        disk = StateStore(self.host.settings.state_dir).peek().state
+        recorded = disk.irqs if disk is not None else {}
+        problems = []
+        for number, now in affinities(self.machine.proc).items():
+            if number not in IRQS:
+                continue  # the default affinity (a mask)
+            lost = (self.machine.irq_set[number] - CPUSet.parse(now)) & self.machine.online
+            held = recorded.get(number)
+            if lost - (held.taken if held is not None else CPUSet()):
+                problems.append(f"(7) interrupt {number} lost CPUs {lost}; on disk: {held}")
         return problems
 
     def gone_but_held(self, state: NodeState) -> list[str]:
@@ -599,7 +660,7 @@ class DBusNodeModel(NodeModel):
         kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=MAX_PODS),
         busy=st.booleans(),
     )
-    def boot(self, config: tuple[str, bool | str, str], kinds: list[str], busy: bool) -> None:
+    def boot(self, config: Config, kinds: list[str], busy: bool) -> None:
         """As NodeModel's, and systemd may be busy from the start (its calls pending, then
         lost or answered late, are what its faults are about)."""
         super().boot(config, kinds)
