@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "packaging/image"
 BUILD = RECIPE / "image_build.py"
 KEEP = 4  # images kept in the lab (HEAD's and an older release's, in two work trees)
+RELEASE_0_1_0 = "2582d766159050c7de6186ca8722dc4c4b9bd145"  # CHANGELOG.md: upgrades start there
+MANIFEST = "packaging/kubernetes/daemonset.yaml"
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,18 @@ def _prune(images: Path, keep: int) -> None:
     )
     for old in built[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def manifest_of(revision: str, directory: Path) -> Path:
+    """The DaemonSet manifest as the release at ``revision`` shipped it, written in
+    ``directory``."""
+    text = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:{MANIFEST}"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    path = directory / f"daemonset-{revision[:12]}.yaml"
+    path.write_text(text)
+    return path
 
 
 def cached(lab: Path = LAB, revision: str = "HEAD") -> Built:

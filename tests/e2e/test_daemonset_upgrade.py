@@ -13,7 +13,6 @@ state the other wrote.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,29 +25,16 @@ from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
 from harness.kubelet_pod import DaemonSetPod
 from netns_util import host_nic
-from product_image import cached
+from product_image import MANIFEST, RELEASE_0_1_0, cached, manifest_of
 
 from e2e.daemon import wait_for
 from e2e.fail_closed import install_fail_closed
 
 REPO = Path(__file__).resolve().parents[2]
-MANIFEST = "packaging/kubernetes/daemonset.yaml"
-RELEASE_0_1_0 = "2582d766159050c7de6186ca8722dc4c4b9bd145"  # CHANGELOG.md
 FIRST_LINE = "grep Cpus_allowed_list /proc/self/status; exec sleep 3600"
 REFUSED = 'required plugin "cpuplugin" not present'
 
 pytestmark = pytest.mark.parametrize("containerd_version", ["2.3"], indirect=True)
-
-
-def manifest_of(revision: str, directory: Path) -> Path:
-    """The DaemonSet manifest as the release at ``revision`` shipped it."""
-    text = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:{MANIFEST}"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    path = directory / f"daemonset-{revision[:12]}.yaml"
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture

@@ -10,11 +10,13 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.cri import ContainerSpec
 from harness.guest_kubelet import SystemdKubelet
 from harness.kubelet_pod import DaemonSetPod
 
@@ -27,7 +29,7 @@ from guest.pinning import (
     scope_dir,
     tasks_allowed,
 )
-from guest.scenarios import container_facts
+from guest.scenarios import FIRST_LINE, _first_line, container_facts
 
 KUBELET_CHECKPOINT = Path("/var/lib/kubelet/cpu_manager_state")
 
@@ -125,4 +127,78 @@ def run_daemonset(
         if node_features is not None:
             result["node_features"] = _node_features(cri, Path(node_features))
         cri.remove_all()
+    return result
+
+
+class Sampler:
+    """The effective cpusets of a pinned and a shared container's scopes, read over and over
+    from another thread while the plugin is replaced: every distinct pair seen."""
+
+    def __init__(self, pinned: Path, shared: Path) -> None:
+        self.files = (pinned / "cpuset.cpus.effective", shared / "cpuset.cpus.effective")
+        self.seen: set[tuple[str, str]] = set()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            pinned, shared = (f.read_text().strip() for f in self.files)
+            self.seen.add((pinned, shared))
+            self.samples += 1
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def run_upgrade(
+    address: str, import_commands: list[list[str]], releases: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """The DaemonSet's pod of each of ``releases`` ((name, manifest) in order: old, new, old)
+    in turn, as the controller rolls it on one node (maxUnavailable 1: the old pod deleted,
+    then the new one created), with a Guaranteed pod and a shared one running throughout; a
+    new Guaranteed pod placed by each version from the state the other wrote."""
+    result: dict[str, Any] = {"imports": []}
+    for command in import_commands:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        result["imports"].append({"rc": done.returncode, "stderr": done.stderr[-500:]})
+    _kubelet_checkpoint()
+    steps: list[dict[str, Any]] = []
+    with SystemdKubelet(address) as cri:
+        cursor = journal_cursor()
+        plugin: DaemonSetPod | None = None
+        sampler: Sampler | None = None
+        for number, (name, manifest) in enumerate(releases):
+            if plugin is not None:
+                plugin.delete(grace=15)
+            plugin = DaemonSetPod(cri, Path(manifest), Path(tempfile.mkdtemp(prefix="kubelet-")))
+            started = journal_cursor()
+            plugin.start()
+            step: dict[str, Any] = {"release": name}
+            step["synchronized_after_s"] = _until(
+                lambda n=number: len(daemon_records("synchronize", cursor)) > n, 600
+            )
+            step["versions"] = [r.get("VERSION") for r in daemon_records("start", started)]
+            if sampler is None:
+                shared, pinned, exclusive = _pinned_beside_shared(cri, "up", result)
+                result["exclusive"] = sorted(exclusive)
+                sampler = Sampler(scope_dir(cri, pinned["app"]), scope_dir(cri, shared["app"]))
+                sampler.__enter__()
+            spec = ContainerSpec.guaranteed("app", 1, command=FIRST_LINE)
+            new = cri.run(f"up-new-{number}", [spec])
+            step["new_first_line"] = _first_line(cri, new["app"])
+            remove(cri, new)
+            steps.append(step)
+        assert sampler is not None and plugin is not None
+        sampler.__exit__()
+        plugin.delete(grace=15)
+        cri.remove_all()
+    result["steps"] = steps
+    result["seen"] = sorted(sampler.seen)
+    result["samples"] = sampler.samples
     return result

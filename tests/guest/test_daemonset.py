@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 from harness.guest import Guest
 from harness.guest_runtimes import GuestRuntime
 from harness.host import parse_cpu_list
 from harness.kubelet_pod import patched
-from product_image import REPO, cached
+from product_image import RELEASE_0_1_0, REPO, cached, manifest_of
 
 from guest.conftest import SCENARIO_RUNTIME
 from nri_cpuplugin import __version__
@@ -101,3 +103,46 @@ def test_the_daemonset_pod_pins_on_the_systemd_driver(
         if n in changeable and a != features["baseline"][n]
     }
     assert not not_back, f"not given back when the pod went: {not_back}"
+
+
+@pytest.mark.parametrize("runtime_name", [SCENARIO_RUNTIME])
+def test_upgrade_and_rollback_on_the_systemd_driver(guest: Guest, on_runtime: GuestRuntime) -> None:
+    """0.1.0 (its image built from its commit, its manifest as it shipped) -> this version ->
+    0.1.0, as the DaemonSet controller rolls each on the node, with a Guaranteed pod and a
+    shared one running: a sampler in the guest reads both scopes' effective cpusets
+    throughout - the pinned one never moves, the shared one never holds its CPUs - and each
+    version pins a new Guaranteed pod from the state the other wrote."""
+    archives = [cached(revision=RELEASE_0_1_0).archive, cached().archive]
+    old = on_the_node_network(manifest_of(RELEASE_0_1_0, guest.results))
+    releases = [("0.1.0", str(old)), (__version__, str(MANIFEST)), ("0.1.0", str(old))]
+    facts = guest.call(
+        "guest.daemonset:run_upgrade",
+        timeout=1800,
+        address=on_runtime.cri_socket,
+        import_commands=[[*on_runtime.import_images[0][:-1], str(a)] for a in archives],
+        releases=releases,
+    )
+    print(json.dumps(facts, indent=1, sort_keys=True)[:20000])
+    assert all(i["rc"] == 0 for i in facts["imports"]), facts["imports"]
+    exclusive = set(facts["exclusive"])
+    for step in facts["steps"]:
+        assert step["synchronized_after_s"] is not None, f"{step['release']} never synchronized"
+        this = step["release"] == __version__
+        assert step["versions"] == ([__version__] if this else []), step  # 0.1.0 said none
+        new = _cpus(step["new_first_line"])
+        assert len(new) == 1 and not new & exclusive, step
+    assert facts["samples"] > 10
+    assert {_cpus(pinned) == exclusive for pinned, _ in facts["seen"]} == {True}, facts["seen"]
+    assert not any(_cpus(shared) & exclusive for _, shared in facts["seen"]), facts["seen"]
+
+
+def on_the_node_network(manifest: Path) -> Path:
+    """0.1.0's manifest with its pod on the node's network (``hostNetwork``), as this
+    version's: the guest node has no CNI plugin, and the network changes nothing the plugin
+    does."""
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
+    for doc in docs:
+        if doc["kind"] == "DaemonSet":
+            doc["spec"]["template"]["spec"]["hostNetwork"] = True
+    manifest.write_text(yaml.safe_dump_all(docs))
+    return manifest
