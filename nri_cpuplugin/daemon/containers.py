@@ -138,15 +138,23 @@ def _set_right(
 def _create_at_start(node: Node, event: ev.StartContainer) -> ev.Release | None:
     """Decide the container as a creation (shared containers written, state held for the
     commit that follows); what only the runtime can move is owed to its next reply.
-    Returns what takes the decision back."""
+    Returns what takes the decision back.  (Node.query_decides_at_start says when.)"""
     workload = event.workload
     path = workload.cgroup_path
     if not node.writer.can_write(path):
+        if node.settings.nri_pin_at == "start":
+            why = (
+                '[nri] pin_at = "start" writes each container\'s cgroup itself: set pin_at = '
+                '"create" (the default) in the plugin\'s configuration'
+            )
+        else:
+            why = (
+                "it was created before this daemon started, by a runtime that has not listed "
+                "its containers since, and only a write of its own could place it: kubelet "
+                "retries it"
+            )
         err = PolicyError(
-            f'{describe(workload)} has {node.writer.why_not(path)}, but [nri] pin_at = "start" '
-            'writes each container\'s cgroup itself: set pin_at = "create" (the default) in '
-            "the plugin's configuration",
-            "config",
+            f"{describe(workload)} has {node.writer.why_not(path)}, but {why}", "config"
         )
         node.audit.emit([node.engine.refused(workload, err)])
         raise err

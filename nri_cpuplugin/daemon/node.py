@@ -190,11 +190,14 @@ class Node:
         return containers.reply_to_update(self, container_id, targets, [])
 
     def query_decides_at_start(self, container_id: str) -> bool:
-        """Whether this StartContainer is the container's decision: pinning at start, and a
-        container not placed yet (one listed by Synchronize was placed then)."""
+        """Whether this StartContainer is the container's decision: a container not placed
+        yet (one listed by Synchronize was placed then), when pinning at start - or created
+        before this daemon's start by a runtime that never lists its containers (containerd
+        1.7 and a plugin it launched again): its creation's decision, made by the daemon
+        before, was set aside by the sweep, since a container not started has no cgroup."""
         state = self.state
         return (
-            self.settings.nri_pin_at == "start"
+            (self.settings.nri_pin_at == "start" or not self.runtime_lists)
             and container_id not in state.assignments
             and container_id not in state.sharing
         )

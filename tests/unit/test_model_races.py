@@ -291,14 +291,7 @@ class NodeModel(RuleBasedStateMachine):
         ctr = data.draw(st.sampled_from(self.pending()), label="container")
         self.say(self.runtime.apply_own(ctr))
 
-    def restartable(self) -> bool:
-        """A restart may come: not, for a runtime that never lists, while a container is
-        created but not started (open: test_placement_races.py's
-        test_a_container_created_before_a_restart_without_synchronize_keeps_its_cpus)."""
-        live = self.runtime.live()
-        return bool(live) and (self.runtime.lists or all(c.phase != "created" for c in live))
-
-    @precondition(lambda self: self.host is not None and self.restartable())
+    @precondition(lambda self: self.host is not None and self.runtime.live())
     @rule(which=st.sampled_from(["daemon", "runtime"]))
     def restart(self, which: str) -> None:
         """The daemon is killed and started again on its state directory (Configure and
@@ -406,7 +399,7 @@ class NodeModel(RuleBasedStateMachine):
             "resize": bool(self.running(guaranteed=True)),
             "update_kept": bool(self.running()),
             "apply_own": bool(self.pending()),
-            "restart": self.restartable(),
+            "restart": bool(self.runtime.live()),
         }.get(name, True)
 
     def during(self, name: str, data: st.DataObject) -> None:
