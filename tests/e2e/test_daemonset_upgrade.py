@@ -13,7 +13,6 @@ state the other wrote.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from harness.cri import CRIClient, CRIError
 from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
 from harness.kubelet_pod import DaemonSetPod
+from harness.sampler import Sampler
 from netns_util import host_nic
 from product_image import MANIFEST, RELEASE_0_1_0, cached, manifest_of
 
@@ -53,32 +53,6 @@ def fail_closed(make_containerd: Callable[..., Containerd], containerd_version: 
 def journal(tmp_path: Path) -> Iterator[PrivateJournal]:
     with PrivateJournal(str(tmp_path / "run-systemd/journal")) as j:
         yield j
-
-
-class Sampler:
-    """The cpusets of a pinned and a shared container, read over and over from another thread
-    while the plugin is replaced: every distinct pair seen."""
-
-    def __init__(self, pinned: str, shared: str) -> None:
-        self.paths = (pinned, shared)
-        self.seen: set[tuple[str, str]] = set()
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            pinned, shared = (host.read_cgroup(p, "cpuset.cpus") for p in self.paths)
-            self.seen.add((pinned, shared))
-            self.samples += 1
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def refused_while_away(cri: CRIClient, name: str) -> None:
@@ -132,7 +106,10 @@ def test_upgrade_and_rollback_move_no_pinned_container(
     assert cri.wait_logs(pinned["db"], 1)[0] == "Cpus_allowed_list:\t1"
     paths = (cri.cgroup_path(pinned["db"]), cri.cgroup_path(shared["web"]))
 
-    with Sampler(*paths) as sampler:
+    def cpusets() -> tuple[str, ...]:
+        return tuple(host.read_cgroup(path, "cpuset.cpus") for path in paths)
+
+    with Sampler(cpusets) as sampler:
         for step, release in enumerate(("this", "0.1.0")):
             plugin.delete(grace=15)  # the controller deletes the old pod first
             refused_while_away(cri, f"while-away-{step}")

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from harness.cri import ContainerSpec
 from harness.guest_kubelet import SystemdKubelet
 from harness.kubelet_pod import DaemonSetPod
+from harness.sampler import Sampler
 
 from guest.irqs import interrupts, managed, pinned_pod, remove, settled
 from guest.pinning import (
@@ -130,32 +130,6 @@ def run_daemonset(
     return result
 
 
-class Sampler:
-    """The effective cpusets of a pinned and a shared container's scopes, read over and over
-    from another thread while the plugin is replaced: every distinct pair seen."""
-
-    def __init__(self, pinned: Path, shared: Path) -> None:
-        self.files = (pinned / "cpuset.cpus.effective", shared / "cpuset.cpus.effective")
-        self.seen: set[tuple[str, str]] = set()
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            pinned, shared = (f.read_text().strip() for f in self.files)
-            self.seen.add((pinned, shared))
-            self.samples += 1
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
 def run_upgrade(
     address: str, import_commands: list[list[str]], releases: list[tuple[str, str]]
 ) -> dict[str, Any]:
@@ -187,7 +161,10 @@ def run_upgrade(
             if sampler is None:
                 shared, pinned, exclusive = _pinned_beside_shared(cri, "up", result)
                 result["exclusive"] = sorted(exclusive)
-                sampler = Sampler(scope_dir(cri, pinned["app"]), scope_dir(cri, shared["app"]))
+                files = [
+                    scope_dir(cri, c["app"]) / "cpuset.cpus.effective" for c in (pinned, shared)
+                ]
+                sampler = Sampler(lambda f=files: tuple(x.read_text().strip() for x in f), 0.01)
                 sampler.__enter__()
             spec = ContainerSpec.guaranteed("app", 1, command=FIRST_LINE)
             new = cri.run(f"up-new-{number}", [spec])
