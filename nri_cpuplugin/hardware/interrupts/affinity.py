@@ -180,8 +180,8 @@ def _raise(err: OSError, path: str, cpus: CPUSet) -> NoReturn:
     if err.errno == errno.EROFS:
         raise ReadOnly(
             f"cannot write {path}: /proc/irq is read-only here, so no interrupt can be moved. "
-            "Run the plugin where it is writable (the DaemonSet's interrupts overlay, the "
-            "unit's irq.conf drop-in: docs/operator-guide.md section 5)"
+            "Run the plugin where it is writable (the DaemonSet with its node-features.yaml "
+            "patch, the unit with its irq.conf drop-in: docs/operator-guide.md section 5)"
         ) from None
     if err.errno in REFUSED:
         raise Refused(
