@@ -161,6 +161,7 @@ class Pass:
         if not self.keep:
             self.notes.append(_ban(self.roots, self.keep))
         refused = frozenset(self.refused)
+        events: tuple[AuditEvent, ...]
         if self.read_only is not None:
             events = (_unmoved(self.keep, self.read_only, len(self.unwritten), self.notes),)
         else:
