@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -81,8 +82,8 @@ def _key(revision: str) -> str:
 
 
 def _prune(images: Path, keep: int) -> None:
-    """Only the newest images stay: each commit's is ~70 MB.  Not the newest one alone: other
-    work trees sharing the lab may be using theirs."""
+    """Only the images used last stay: each commit's is ~70 MB.  Not the newest one alone: other
+    work trees sharing the lab may be using theirs, and a test uses an older release's."""
     built = sorted(
         (p for p in images.iterdir() if (p / "output.txt").exists()),
         key=lambda p: p.stat().st_mtime,
@@ -119,6 +120,8 @@ def cached(lab: Path = LAB, revision: str = "HEAD") -> Built:
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)
             _prune(target.parent, keep=KEEP)
+        else:
+            os.utime(target)  # used now: the last to be pruned (an older release's, say)
         [archive] = target.glob("*.oci.tar")
         output = (target / "output.txt").read_text()
     return Built(archive, output.splitlines()[-1], output)
