@@ -104,9 +104,23 @@ def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
     try:
         yield booted
     finally:
+        say(_budget_misses(_session.get("node")))
         _session.clear()
         boot.__exit__(None, None, None)
         say("guest powered off")
+
+
+def _budget_misses(node: object) -> str:
+    """The whole boot's count of requests the daemon did not decide within its budget (each
+    test judges its own window; this line is the figure for a run of the suite)."""
+    if not isinstance(node, GuestNode):
+        return "no daemon ran on this boot"
+    try:
+        missed = node.daemon_records("deadline")
+    except Exception as e:  # the guest may be what failed
+        return f"the daemon's budget misses could not be counted: {e}"
+    lines = "".join(f"\n  {r.get('MESSAGE')}" for r in missed)
+    return f"{len(missed)} budget misses in the daemon's log on this boot{lines}"
 
 
 @pytest.fixture(scope="session")
