@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from ..core import irq
 from ..core.cpuset import CPUSet
-from ..core.events import WARNING, AuditEvent, event
+from ..core.events import WARNING, AuditEvent
 from ..core.outcome import Outcome
 from ..core.state import IrqRecord
 from ..hardware.interrupts import keeper as irq_keeper
@@ -159,13 +159,7 @@ def _record_durably(node: Node, records: Mapping[int, IrqRecord]) -> AuditEvent 
         with node.file.locked(decides=False):
             node.commit(Outcome(state.evolve(irqs=records)), durable=True)
     except OSError as err:
-        return event(
-            "irq",
-            f"interrupts left as they are: what narrowing them takes could not be recorded "
-            f"durably first ({err}); tried again in {IRQ_RESCAN:g} s",
-            WARNING,
-            reason=str(err),
-        )
+        return irq_keeper.unrecorded(err, f"in {IRQ_RESCAN:g} s")
     return None
 
 

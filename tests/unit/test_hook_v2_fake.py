@@ -417,3 +417,48 @@ def test_the_hooks_irqbalance_ban_is_lifted_when_no_interrupt_was_narrowed(node:
     (node.fake.root / db.strip("/") / "cgroup.events").write_text("populated 0\n")  # deleted
     assert node.hook("postgres", None, stage="poststop") == (0, "")
     assert not ban.exists()
+
+
+def test_the_hook_leaves_interrupts_alone_when_their_record_cannot_be_saved(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded before written, in the hook too: a full disk at the interrupt record's commit
+    leaves every affinity as it was (a crash then cannot leave CPUs out of them for good), the
+    container still starts on its CPUs, the audit trail says why; the next run after the disk
+    recovers narrows them."""
+    irq = node.proc / "irq"
+    (irq / "30").mkdir(parents=True)
+    (irq / "30" / "smp_affinity_list").write_text("0-47\n")
+    (irq / "default_smp_affinity").write_text("0000ffff,ffffffff\n")
+    (node.proc / "interrupts").write_text(
+        "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
+        " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
+    )
+    commit = StateStore.commit
+
+    def full_for_interrupts(store: StateStore, state):  # type: ignore[no-untyped-def]
+        if state.irqs:
+            raise OSError(errno.ENOSPC, "No space left on device", "state.json")
+        return commit(store, state)
+
+    monkeypatch.setattr(StateStore, "commit", full_for_interrupts)
+    pid, db = node.container(
+        "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
+    )
+    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
+    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    assert node.hook("postgres", pid) == (0, "")
+    assert node.fake.read(db, "cpuset.cpus") == "1,25"
+    assert (irq / "30" / "smp_affinity_list").read_text() == "0-47\n"
+    assert (irq / "default_smp_affinity").read_text() == "0000ffff,ffffffff\n"
+    assert not StateStore(node.state_dir).peek().state.irqs
+    said = [r["MESSAGE"] for r in node.records if r["ACTION"] == "irq"]
+    assert len(said) == 1 and "could not be recorded" in said[0], said
+    assert "No space left on device" in said[0]
+
+    monkeypatch.setattr(StateStore, "commit", commit)  # the disk has room again
+    web_pid, web = node.container("nginx", "burstable", 500, "uid-web")
+    (node.fake.root / web.strip("/") / "cpuset.cpus.effective").write_text("0,2-24,26-47\n")
+    assert node.hook("nginx", web_pid) == (0, "")
+    assert (irq / "30" / "smp_affinity_list").read_text() == "0,2-24,26-47\n"
+    assert str(StateStore(node.state_dir).peek().state.irqs[30].taken) == "1,25"

@@ -248,5 +248,16 @@ def _unmoved(keep: CPUSet, why: str, count: int, notes: list[str | None]) -> Aud
     return _event(message, WARNING, cpus=keep, narrowed=0, restored=0, managed=0, failed=count)
 
 
+def unrecorded(err: OSError, retried: str) -> AuditEvent:
+    """What to say when the records a pass needs could not be committed durably: nothing was
+    narrowed (both front ends; ``retried`` says when it is tried again)."""
+    return _event(
+        "interrupts left as they are: what narrowing them takes could not be recorded "
+        f"durably first ({err}); tried again {retried}",
+        WARNING,
+        reason=str(err),
+    )
+
+
 def _event(message: str, priority: int, **fields: object) -> AuditEvent:
     return event("irq", message, priority, **fields)
