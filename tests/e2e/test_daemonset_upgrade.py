@@ -22,7 +22,7 @@ from harness.containerd import Containerd
 from harness.cri import CRIClient, CRIError
 from harness.journald import PrivateJournal
 from harness.k8s import ContainerSpec, PodSpec
-from harness.kubelet_pod import DaemonSetPod
+from harness.kubelet_pod import DaemonSetPod, kubelet_checkpoint
 from harness.sampler import Sampler
 from netns_util import host_nic
 from product_image import MANIFEST, RELEASE_0_1_0, cached, manifest_of
@@ -74,15 +74,13 @@ def test_upgrade_and_rollback_move_no_pinned_container(
         "0.1.0": manifest_of(RELEASE_0_1_0, tmp_path),
         "this": REPO / MANIFEST,
     }
-    checkpoint = tmp_path / "cpu_manager_state"  # as kubelet writes it (FAKE: no kubelet)
-    checkpoint.write_text('{"policyName": "none", "defaultCpuSet": "", "checksum": 1}')
     host_paths = {
         "/var/run/nri": fail_closed.nri_socket.parent,
         "/var/lib/nri-cpuplugin": tmp_path / "state",
         "/run/systemd": tmp_path / "run-systemd",
         "/etc/systemd": tmp_path / "etc-systemd",
         "/run/systemd/journal/socket": journal.socket_path,  # 0.1.0's mount
-        "/var/lib/kubelet/cpu_manager_state": checkpoint,  # 0.2.0's mount
+        "/var/lib/kubelet/cpu_manager_state": kubelet_checkpoint(tmp_path / "cpu-mgr"),  # 0.2.0
     }
     synchronized = 0
 

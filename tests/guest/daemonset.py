@@ -17,7 +17,7 @@ from typing import Any
 
 from harness.cri import ContainerSpec
 from harness.guest_kubelet import SystemdKubelet
-from harness.kubelet_pod import DaemonSetPod
+from harness.kubelet_pod import DaemonSetPod, kubelet_checkpoint
 from harness.sampler import Sampler
 
 from guest.irqs import interrupts, managed, pinned_pod, remove, settled
@@ -48,13 +48,6 @@ def _shared_facts(cri: SystemdKubelet, cid: str) -> dict[str, Any]:
     facts = container_facts(cri, cid)
     facts["tasks"] = tasks_allowed(scope_dir(cri, cid))
     return facts
-
-
-def _kubelet_checkpoint() -> None:
-    """kubelet's CPU manager checkpoint, as kubelet writes it at its start (FAKE: no kubelet
-    runs here); the manifest mounts it."""
-    KUBELET_CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
-    KUBELET_CHECKPOINT.write_text('{"policyName": "none", "defaultCpuSet": "", "checksum": 1}')
 
 
 def _node_features(cri: SystemdKubelet, manifest: Path) -> dict[str, Any]:
@@ -88,7 +81,7 @@ def run_daemonset(
     3 ``daemon-reload``s; the plugin's container killed and restarted as kubelet would; with
     ``node_features`` (the manifest patched with it), interrupts kept off a pod's CPUs."""
     result: dict[str, Any] = {}
-    _kubelet_checkpoint()
+    kubelet_checkpoint(KUBELET_CHECKPOINT)
     imported = subprocess.run(import_command, capture_output=True, text=True, check=False)
     result["import"] = {"rc": imported.returncode, "stderr": imported.stderr[-500:]}
     with SystemdKubelet(address) as cri:
@@ -141,7 +134,7 @@ def run_upgrade(
     for command in import_commands:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         result["imports"].append({"rc": done.returncode, "stderr": done.stderr[-500:]})
-    _kubelet_checkpoint()
+    kubelet_checkpoint(KUBELET_CHECKPOINT)
     steps: list[dict[str, Any]] = []
     with SystemdKubelet(address) as cri:
         cursor = journal_cursor()

@@ -20,6 +20,7 @@ changes the DaemonSet.
 
 from __future__ import annotations
 
+import json
 import secrets
 import stat
 import subprocess
@@ -73,6 +74,14 @@ def patched(manifest: Path, patch: Path, out: Path) -> Path:
     rest = [d for d in documents(manifest) if d.get("kind") != "DaemonSet"]
     out.write_text(yaml.safe_dump_all([*rest, yaml.safe_load(result.stdout)]))
     return out
+
+
+def kubelet_checkpoint(path: Path, policy: str = "none") -> Path:
+    """kubelet's CPU manager checkpoint at ``path``, as kubelet writes it at its start whatever
+    its policy (FAKE: no kubelet runs here); the manifest mounts it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"policyName": policy, "defaultCpuSet": "", "checksum": 1}))
+    return path
 
 
 def milli_cpu(quantity: str | int | None) -> int | None:
