@@ -1,24 +1,28 @@
-"""Writer processes for the crash test in test_store.py, which kills them with SIGKILL.
+"""Writer processes for the crash test in test_store.py: each kills itself with SIGKILL at a
+step of its commit the test names, so every point between two system calls of a commit is
+tried, deterministically, whatever the machine's load.
 
 Run as a script, this is a small "zygote": it imports everything once, then forks one writer
-per request, so each of the many kills costs a fork instead of an interpreter start-up (~0.1 s)
-and the random kill delay measures time spent committing.  Each writer is an ordinary process
-running the real commit path; the test SIGKILLs it by pid.
+per request, so each kill costs a fork instead of an interpreter start-up (~0.1 s).  Each
+writer is an ordinary process running the real commit path (the lock, the temp file, its
+writes, fsync, the rename, the directory's fsync); only the calls of ``os`` that the commit
+makes are counted on their way through.
 
 Protocol, one line per message on stdin/stdout:
-  zygote -> test  "ready"              imports done
-  test -> zygote  "go <first> <mode>"  fork a writer starting at iteration <first>; <mode> is
-                                       "store" (StateStore.commit) or "in-place" (see below)
-  zygote -> test  "pid <pid>"          the writer to kill
-  writer -> test  "begin <i> <ns>"     commit i starts now (its state is built; the lock, the
-                                       write, fsync, rename and the directory's fsync follow)
-  writer -> test  "done <i> <ns>"      commit i has fully returned (written after commit())
-(<ns>: time.monotonic_ns() when the message was written, the same clock in every process.)
-  zygote -> test  "exited <pid> <rc>"  the writer is dead and reaped (rc -9 for SIGKILL)
-A "done i" therefore means "commit i is on disk"; a "begin i" with no "done i" after it means
-the kill landed inside commit i, which may or may not have reached its rename.  Each message
-is a single write(2) of a few bytes to a pipe, so it is atomic: a kill cannot leave half a
-line.
+  zygote -> test  "ready"                       imports done
+  test -> zygote  "go <i> <mode> <step>"        fork a writer that commits iteration <i> and
+                                                SIGKILLs itself before the commit's system
+                                                call number <step> (0: before the first);
+                                                past the last one, once the commit returned.
+                                                <mode> is "store" (StateStore.commit) or
+                                                "in-place" (see below)
+  zygote -> test  "pid <pid>"                   the writer
+  writer -> test  "begin <i>"                   its commit starts now
+  writer -> test  "done <i>"                    its commit has fully returned
+  zygote -> test  "exited <pid> <rc>"           the writer is dead and reaped (rc -9)
+A "done i" therefore means "commit i is on disk"; no "done i" means the kill landed inside
+commit i, which may or may not have reached its rename.  Each message is a single write(2) of
+a few bytes to a pipe, so it is atomic.
 
 Every state is a pure function of its iteration, with 1..200 assignments so document sizes
 vary, which makes a torn or mixed file detectable as a checksum error or a wrong value.
@@ -30,12 +34,15 @@ its commit leaves a torn file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import signal
 import sys
-import time
 import traceback
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from nri_cpuplugin.core.cpuset import CPUSet
 from nri_cpuplugin.core.state import Assignment, NodeState, encode
@@ -86,29 +93,55 @@ def _commit_in_place(store: StateStore, state: NodeState) -> None:
         os.close(fd)
 
 
-def _write_forever(state_dir: str, first: int, mode: str) -> None:
+# The calls of ``os`` a commit makes that change the file system or what is durable on it.
+STEPS = ("open", "write", "fchmod", "fsync", "close", "replace", "rename", "unlink", "ftruncate")
+
+
+class KillPoint:
+    """SIGKILL this process before the commit's system call number ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.made = 0
+        self.armed = False
+        for name in STEPS:
+            setattr(os, name, self._counted(getattr(os, name)))
+
+    def _counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                if self.made == self.at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                self.made += 1
+            return call(*args, **kwargs)
+
+        return step
+
+
+def _write_once(state_dir: str, iteration: int, mode: str, point: KillPoint) -> None:
     store = StateStore(state_dir)
-    iteration = first
-    while True:
-        state = state_for(iteration)
-        os.write(1, b"begin %d %d\n" % (iteration, time.monotonic_ns()))
-        with store.locked():
-            if mode == "in-place":
-                _commit_in_place(store, state)
-            else:
-                store.commit(state)
-        os.write(1, b"done %d %d\n" % (iteration, time.monotonic_ns()))
-        iteration += 1
+    state = state_for(iteration)
+    os.write(1, b"begin %d\n" % iteration)
+    point.armed = True
+    with store.locked():
+        if mode == "in-place":
+            _commit_in_place(store, state)
+        else:
+            store.commit(state)
+    point.armed = False
+    os.write(1, b"done %d\n" % iteration)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(state_dir: str) -> None:
     os.write(1, b"ready\n")
     while line := sys.stdin.buffer.readline():
-        _, first, mode = line.split()
+        _, iteration, mode, step = line.split()
         pid = os.fork()
         if pid == 0:  # the writer: never returns into this loop
             try:
-                _write_forever(state_dir, int(first), mode.decode())
+                _write_once(state_dir, int(iteration), mode.decode(), KillPoint(int(step)))
             except BaseException:
                 traceback.print_exc()
                 sys.stderr.flush()

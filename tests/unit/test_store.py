@@ -1,8 +1,8 @@
 """StateStore: atomic durable commits, locking, and a load that never raises.
 
 The crash test at the end is the proof of atomic commits: a real writer process is SIGKILLed
-at random instants, many times, and every reload must find a whole document it could have
-written.  Set STORE_CRASH_SEED to replay a failing run, STORE_CRASH_KILLS to run longer.
+before each system call of its commit in turn, and after it, and every reload must find a
+whole document it could have written.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import random
 import signal
 import stat
 import subprocess
@@ -639,7 +638,7 @@ def test_lock_excludes_another_process(state_dir: Path) -> None:
     assert out.stdout == b"timeout\n", out.stderr
 
 
-# --- crash test: SIGKILL a real writer at random instants ------------------------------------
+# --- crash test: SIGKILL a real writer at each step of its commit -------------------------------
 
 
 def _env() -> dict[str, str]:
@@ -669,33 +668,22 @@ class _Zygote:
             raise AssertionError(f"writer zygote died (exit {self.proc.returncode})")
         return line.decode().split()
 
-    def start(self, first: int) -> list[tuple[str, int, int]]:
-        """Fork a writer and wait until its first commit begins; return its messages so far
-        (("begin" | "done", iteration, monotonic ns), in order)."""
-        self.proc.stdin.write(b"go %d %s\n" % (first, self.mode.encode()))
+    def run(self, iteration: int, step: int) -> tuple[list[tuple[str, int]], int]:
+        """Fork a writer that commits ``iteration`` and kills itself before the commit's
+        system call number ``step``; wait until it is reaped.  (Its messages, in order:
+        ("begin" | "done", iteration); its exit code.)"""
+        self.proc.stdin.write(b"go %d %s %d\n" % (iteration, self.mode.encode(), step))
         self.proc.stdin.flush()
-        progress: list[tuple[str, int, int]] = []
-        self.writer_pid = None
-        while self.writer_pid is None or not progress:  # (the two come in either order)
+        progress: list[tuple[str, int]] = []
+        while True:
             kind, *values = self._message()
             if kind == "pid":
                 self.writer_pid = int(values[0])
-            else:
-                progress.append((kind, int(values[0]), int(values[1])))
-        return progress
-
-    def kill(self) -> tuple[list[tuple[str, int, int]], int]:
-        """SIGKILL the writer and wait until it is reaped; return (its messages since
-        ``start``, exit code)."""
-        with contextlib.suppress(ProcessLookupError):  # it may have died on its own
-            os.kill(self.writer_pid, signal.SIGKILL)
-        progress = []
-        while True:
-            message = self._message()
-            if message[0] == "exited":
+            elif kind == "exited":
                 self.writer_pid = None
-                return progress, int(message[2])
-            progress.append((message[0], int(message[1]), int(message[2])))
+                return progress, int(values[1])
+            else:
+                progress.append((kind, int(values[0])))
 
     def close(self) -> None:
         # Kill the writer before the zygote: an orphaned writer would go on committing.
@@ -709,99 +697,74 @@ class _Zygote:
         self.proc.stdout.close()
 
 
-def _crash_kills(state_dir: Path, seed: int, kills: int, each: int, mode: str) -> dict:
-    """SIGKILL writers at random instants, checking after each kill that the state on disk is
-    one complete version and that no committed version is lost, until ``kills`` kills are
-    made, ``each`` of them landed inside a commit (its "begin" seen, its "done" not) and
-    ``each`` after a commit that returned.  Raises AssertionError naming the seed otherwise.
-
-    The instant is random within twice what a commit takes on this machine now, measured
-    from the writers' own timestamps: on a busy machine commits are slower and the delays grow
-    with them.  Kills are counted where they landed, never assumed to land anywhere."""
-    rng = random.Random(seed)
+def _crash_kills(state_dir: Path, mode: str, rounds: int = 3) -> dict:
+    """Kill writers before each system call of a commit in turn, then once it has returned,
+    ``rounds`` times over (so documents of several sizes), checking after each kill that the
+    state on disk is one complete version and that no committed version is lost.  Raises
+    AssertionError saying which kill otherwise."""
     store = StateStore(state_dir, lock_timeout=10)
     state_for, iteration_of = crash_writer.state_for, crash_writer.iteration_of
     last_loaded: int | None = None  # iteration of the state on disk after the previous kill
     next_iteration = 0
-    made = inside = after_commit = left_temp = 0
-    commit_ns = 5e6  # what a writer's first commit takes, as measured (a guess until then)
+    made = inside = left_temp = 0
     zygote = _Zygote(state_dir, mode)
     try:
-        while made < kills or inside < each or after_commit < each:
-            assert made < 10 * kills, (
-                f"seed={seed}: of {made} kills {inside} landed inside a commit and "
-                f"{after_commit} after one returned"
-            )
-            where = f"seed={seed} kill #{made} (replay with STORE_CRASH_SEED={seed})"
-            progress = zygote.start(next_iteration)
-            kill_at = progress[0][2] + rng.uniform(0, 2 * commit_ns)
-            time.sleep(max(0.0, kill_at - time.monotonic_ns()) / 1e9)
-            more, exit_code = zygote.kill()
-            progress += more
-            made += 1
-            assert exit_code == -signal.SIGKILL, f"{where}: writer exited with {exit_code}"
-            done = [i for kind, i, _ in progress if kind == "done"]
-            assert done == list(range(next_iteration, next_iteration + len(done))), where
-            completed = done[-1] if done else None
-            inside += progress[-1][0] == "begin"
-            after_commit += completed is not None
-            commit_ns = _commit_time(progress, commit_ns)
-            left_temp += bool(temp_files(state_dir))
-            assert len(temp_files(state_dir)) <= 1, f"{where}: stale temps are not cleaned up"
+        for _ in range(rounds):
+            step, completed = 0, None
+            while completed is None:
+                assert step < 100, f"a commit of {step} system calls ({mode})?"
+                progress, exit_code = zygote.run(next_iteration, step)
+                made += 1
+                where = f"kill #{made}, before system call {step} of commit {next_iteration}"
+                assert exit_code == -signal.SIGKILL, f"{where}: writer exited with {exit_code}"
+                assert progress[0] == ("begin", next_iteration), f"{where}: {progress}"
+                completed = next_iteration if ("done", next_iteration) in progress else None
+                inside += completed is None
+                step += 1
+                left_temp += bool(temp_files(state_dir))
+                assert len(temp_files(state_dir)) <= 1, f"{where}: stale temps are not cleaned up"
 
-            # Like a restarting daemon: the dead writer's lock must be free at once.
-            with store.locked(timeout=5):
-                result = store.load()
-            # Nothing torn: the file is one whole document, never set aside.
-            assert result.quarantined is None, f"{where}: {result.problem}"
-            assert bad_files(state_dir) == [], where
-            if result.state is None:
-                # Legitimate only if no commit ever reached the rename.
-                assert last_loaded is None and completed is None, f"{where}: {result.problem}"
-                assert result.problem.startswith("no state file"), f"{where}: {result.problem}"
-                continue
-            assert result.problem is None, f"{where}: {result.problem}"
-            # One complete version: exactly the state of one iteration.
-            loaded = iteration_of(result.state)
-            assert result.state == state_for(loaded), f"{where}: state {loaded} differs"
-            # No committed version lost: the last commit that returned, or the one after it.
-            if completed is not None:
-                allowed = {completed, completed + 1}
-            else:
-                allowed = {next_iteration} | ({last_loaded} if last_loaded is not None else set())
-            assert loaded in allowed, f"{where}: loaded {loaded}, expected one of {allowed}"
-            last_loaded, next_iteration = loaded, loaded + 1
+                # Like a restarting daemon: the dead writer's lock must be free at once.
+                with store.locked(timeout=5):
+                    result = store.load()
+                # Nothing torn: the file is one whole document, never set aside.
+                assert result.quarantined is None, f"{where}: {result.problem}"
+                assert bad_files(state_dir) == [], where
+                if result.state is None:
+                    # Legitimate only if no commit ever reached the rename.
+                    assert last_loaded is None and completed is None, f"{where}: {result.problem}"
+                    assert result.problem.startswith("no state file"), f"{where}: {result.problem}"
+                    continue
+                assert result.problem is None, f"{where}: {result.problem}"
+                # One complete version: exactly the state of one iteration.
+                loaded = iteration_of(result.state)
+                assert result.state == state_for(loaded), f"{where}: state {loaded} differs"
+                # No committed version lost: the one that returned; inside a commit, the one
+                # before it (not renamed yet) or it (renamed).
+                allowed = {next_iteration} | ({last_loaded} if completed is None else set())
+                assert loaded in allowed, f"{where}: loaded {loaded}, expected one of {allowed}"
+                last_loaded, next_iteration = loaded, loaded + 1
     finally:
         zygote.close()
-    return {"kills": made, "inside": inside, "after_commit": after_commit,
+    return {"kills": made, "inside": inside, "after_commit": rounds,
             "left_temp": left_temp, "reached": last_loaded}  # fmt: skip
 
 
-def _commit_time(progress: list[tuple[str, int, int]], estimate: float) -> float:
-    """What a writer's first commit takes (the kill is timed from its start), averaged with
-    the estimate so far; without one (the kill came first), a longer estimate, so that the
-    delays grow until commits return."""
-    if len(progress) < 2 or progress[1][0] != "done":
-        return estimate * 1.25
-    return (estimate + progress[1][2] - progress[0][2]) / 2
-
-
-def test_sigkill_at_random_instants_always_leaves_old_or_new_state(tmp_path: Path) -> None:
-    seed = int(os.environ.get("STORE_CRASH_SEED", random.SystemRandom().randrange(2**32)))
-    kills = int(os.environ.get("STORE_CRASH_KILLS", "150"))
+def test_sigkill_at_each_step_of_a_commit_always_leaves_old_or_new_state(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"  # one directory for all kills: old -> new transitions
-    # A third of the kills inside a commit and a third after one: it proves nothing otherwise.
-    seen = _crash_kills(state_dir, seed, kills, each=kills // 3, mode="store")
+    seen = _crash_kills(state_dir, mode="store")
+    # Kills inside a commit both before and after its rename, and a temp file left behind by
+    # some: the kills reached the points that matter.
+    assert seen["inside"] >= 3 * 6 and seen["left_temp"] > 0, seen
     store = StateStore(state_dir)
     with store.locked():
         store.commit(crash_writer.state_for(seen["reached"] + 1))
     assert temp_files(state_dir) == []
-    print(f"seed={seed}: {seen}")
+    print(seen)
 
 
 def test_the_crash_test_catches_a_store_that_rewrites_the_file_in_place(tmp_path: Path) -> None:
     # The same kills against a broken commit (truncate and rewrite state.json where it is):
     # a kill inside it leaves a torn file, which the checks above must report.
-    seed = random.SystemRandom().randrange(2**32)
     with pytest.raises(AssertionError, match=r"state file .* (empty|not a valid state document)"):
-        _crash_kills(tmp_path / "state", seed, kills=150, each=50, mode="in-place")
+        _crash_kills(tmp_path / "state", mode="in-place")
