@@ -366,22 +366,35 @@ def test_a_container_that_was_exclusive_gets_its_parent_memory_nodes_back(node: 
     assert node.fake.read(cgroup, "cpuset.mems") == "0-1"
 
 
-def test_the_hook_keeps_an_asking_pods_cpus_free_of_interrupts(node: Node) -> None:
-    """The same plan as the daemon's (core/irq.py), on a generated /proc/irq in the hook's
-    fake /proc; given back when the container is gone."""
+def one_nic_interrupt(node: Node, affinity: str, default: str) -> Path:
+    """A generated /proc/irq with one NIC interrupt, 30; returns that directory."""
     irq = node.proc / "irq"
     (irq / "30").mkdir(parents=True)
-    (irq / "30" / "smp_affinity_list").write_text("0-47\n")
-    (irq / "default_smp_affinity").write_text("0000ffff,ffffffff\n")
+    (irq / "30" / "smp_affinity_list").write_text(f"{affinity}\n")
+    (irq / "default_smp_affinity").write_text(f"{default}\n")
     (node.proc / "interrupts").write_text(
         "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
         " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
     )
+    return irq
+
+
+def irq_free_db(node: Node) -> tuple[int, str]:
+    """A 2-CPU Guaranteed container asking for its CPUs free of interrupts, which the kernel
+    will report on CPUs 1,25 once written."""
     pid, db = node.container(
         "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
     )
     (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
     (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    return pid, db
+
+
+def test_the_hook_keeps_an_asking_pods_cpus_free_of_interrupts(node: Node) -> None:
+    """The same plan as the daemon's (core/irq.py), on a generated /proc/irq in the hook's
+    fake /proc; given back when the container is gone."""
+    irq = one_nic_interrupt(node, "0-47", "0000ffff,ffffffff")
+    pid, db = irq_free_db(node)
     assert node.hook("postgres", pid) == (0, "")
     assert (irq / "30" / "smp_affinity_list").read_text() == "0,2-24,26-47\n"
     assert (irq / "default_smp_affinity").read_text() == "0000ffff,fdfffffd\n"
@@ -397,20 +410,9 @@ def test_the_hooks_irqbalance_ban_is_lifted_when_no_interrupt_was_narrowed(node:
     """Every interrupt already off the container's CPUs: nothing narrowed, nothing recorded,
     but irqbalance's next start is told (our environment file); once the container is gone,
     that ban is lifted too."""
-    irq = node.proc / "irq"
-    (irq / "30").mkdir(parents=True)
-    (irq / "30" / "smp_affinity_list").write_text("0\n")
-    (irq / "default_smp_affinity").write_text("00000000,00000001\n")
-    (node.proc / "interrupts").write_text(
-        "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
-        " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
-    )
+    one_nic_interrupt(node, "0", "00000000,00000001")
     ban = node.proc.parent / "run" / "nri-cpuplugin" / "irqbalance.env"
-    pid, db = node.container(
-        "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
-    )
-    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
-    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    pid, db = irq_free_db(node)
     assert node.hook("postgres", pid) == (0, "")
     assert not StateStore(node.state_dir).peek().state.irqs
     assert "IRQBALANCE_BANNED_CPULIST=1,25\n" in ban.read_text()
@@ -426,14 +428,7 @@ def test_the_hook_leaves_interrupts_alone_when_their_record_cannot_be_saved(
     leaves every affinity as it was (a crash then cannot leave CPUs out of them for good), the
     container still starts on its CPUs, the audit trail says why; the next run after the disk
     recovers narrows them."""
-    irq = node.proc / "irq"
-    (irq / "30").mkdir(parents=True)
-    (irq / "30" / "smp_affinity_list").write_text("0-47\n")
-    (irq / "default_smp_affinity").write_text("0000ffff,ffffffff\n")
-    (node.proc / "interrupts").write_text(
-        "      " + " ".join(f"CPU{i}" for i in range(48)) + "\n"
-        " 30: " + " 0" * 48 + " PCI-MSIX 0-edge nic0\n"
-    )
+    irq = one_nic_interrupt(node, "0-47", "0000ffff,ffffffff")
     commit = StateStore.commit
 
     def full_for_interrupts(store: StateStore, state):  # type: ignore[no-untyped-def]
@@ -442,11 +437,7 @@ def test_the_hook_leaves_interrupts_alone_when_their_record_cannot_be_saved(
         return commit(store, state)
 
     monkeypatch.setattr(StateStore, "commit", full_for_interrupts)
-    pid, db = node.container(
-        "postgres", "guaranteed", 2000, "uid-db", **{"irq-free.nri-cpuplugin.io": "true"}
-    )
-    (node.fake.root / db.strip("/") / "cpuset.cpus.effective").write_text("1,25\n")
-    (node.fake.root / db.strip("/") / "cpuset.mems.effective").write_text("0\n")
+    pid, db = irq_free_db(node)
     assert node.hook("postgres", pid) == (0, "")
     assert node.fake.read(db, "cpuset.cpus") == "1,25"
     assert (irq / "30" / "smp_affinity_list").read_text() == "0-47\n"
