@@ -251,27 +251,18 @@ class LockedRun:
             return ()
         from ..hardware.interrupts import keeper as irq_keeper
 
-        unsaved: list[OSError] = []
-
         def record(records: Mapping[int, IrqRecord]) -> None:
             nonlocal state
             if dict(records) != dict(state.irqs):
                 state = state.evolve(irqs=records)
-                try:
-                    self.store.commit(state)
-                except OSError as err:
-                    unsaved.append(err)
-                    raise
+                self.store.commit(state)
 
         roots = irq_keeper.Roots.beside(self.settings.sysfs, self.proc)
         online = engine.topology.online
-        try:
-            return irq_keeper.keep_free(roots, state, online, frozenset(), record).events
-        except OSError:
-            if not unsaved:
-                raise
-            # The container keeps its CPUs; only its interrupts wait for a disk with room.
-            return (irq_keeper.unrecorded(unsaved[0], "by the next container's hook"),)
+        # A record that cannot be saved leaves the interrupts alone, not the container: it
+        # keeps its CPUs, and the next hook run narrows them once the disk has room.
+        retried = "by the next container's hook"
+        return irq_keeper.keep_free(roots, state, online, frozenset(), record, retried).events
 
     def _report_unkept(self, unkept: list[str]) -> None:
         if unkept:

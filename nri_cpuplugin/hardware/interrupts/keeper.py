@@ -175,17 +175,22 @@ def keep_free(
     online: CPUSet,
     unchangeable: frozenset[tuple[int, str]],
     record: Callable[[Mapping[int, IrqRecord]], None],
+    retried: str,
 ) -> Kept:
     """Bring every changeable interrupt in line with ``state`` (core/irq.py) in one go;
-    ``record`` commits the interrupt records of the state, durably (raises when it cannot:
-    nothing is written then)."""
+    ``record`` commits the interrupt records of the state, durably, and raises OSError when
+    it cannot.  When the records cannot be committed before the writes, nothing is written
+    and the pass says so (``retried``: when it is tried again)."""
     run = Pass(roots, state, online, unchangeable)
     if not run.needed:
         return Kept(state.irqs, unchangeable, run.lift())
     run.read()
     if run.problem is not None:
         return Kept(state.irqs, unchangeable, (run.problem,))
-    record(run.recording())  # what a crash during the writes must not lose
+    try:
+        record(run.recording())  # what a crash during the writes must not lose
+    except OSError as err:
+        return Kept(state.irqs, unchangeable, (unrecorded(err, retried),))
     run.ban()
     while run.write(len(run.pending) or 1):
         pass
